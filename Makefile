@@ -1,0 +1,38 @@
+# The README's two commands: `make lab` opens the course, `make test` runs every test.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: lab test unit notebooks bench clean-outputs clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $(STAMP)
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab notebooks/
+
+# Smoke mode shrinks every notebook's sizes so the suite runs in minutes on 2 CPU cores.
+test: $(STAMP)
+	$(PY) -m pytest tests/
+	SMOKE_TEST=1 $(PY) -m pytest --nbmake --nbmake-timeout=600 notebooks/
+
+unit: $(STAMP)
+	$(PY) -m pytest tests/
+
+notebooks: $(STAMP)
+	SMOKE_TEST=1 $(PY) -m pytest --nbmake --nbmake-timeout=600 notebooks/
+
+bench: $(STAMP)
+	$(PY) scripts/bench_train_loop.py
+	$(PY) scripts/bench_launch.py
+
+clean-outputs: $(STAMP)
+	$(VENV)/bin/jupyter nbconvert --clear-output --inplace notebooks/*.ipynb
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,19 @@
+"""Reusable launch and training code for the multigpu-notebooks course.
+
+Importing this package has one side effect, for fork-safety: it asks torch to
+answer ``torch.cuda.is_available()`` and ``device_count()`` through NVML, so
+that those calls never create a CUDA context in the notebook and a later fork
+of training ranks stays safe (see ``helpers.launch``).
+"""
+
+import os
+
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+
+def smoke_test() -> bool:
+    """True when SMOKE_TEST=1 asks every notebook to shrink its sizes (CI does).
+
+    Introduced in notebooks/00-check-environment.ipynb.
+    """
+    return os.environ.get("SMOKE_TEST", "0").strip().lower() in {"1", "true", "yes"}

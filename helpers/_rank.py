@@ -1,0 +1,132 @@
+"""The child's side of ``helpers.launch``: what a forked rank does before and after ``fn``."""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import io
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_QUEUE = None  # set in a launched rank: where report() and prints go
+_RANK = None
+
+
+def report(**metrics) -> None:
+    """Send numbers (step, total, loss, samples_per_s, ...) from a rank to the notebook.
+
+    The parent receives them as ``on_event(rank, metrics)`` and draws; a rank
+    itself never touches widgets or plots. Outside a ``launch`` (under
+    torchrun, say) this does nothing, so the same function runs in both.
+    Introduced in notebooks/03-ddp-fork.ipynb.
+    """
+    if _QUEUE is None:
+        return
+    clean = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
+    clean.setdefault("t", time.time())
+    _QUEUE.put(("event", _RANK, clean))
+
+
+class _QueueWriter(io.TextIOBase):
+    """stdout/stderr of a rank: whole lines go to the parent, which prefixes them."""
+
+    def __init__(self, queue, rank):
+        self.queue, self.rank, self.buf = queue, rank, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self.buf += text
+        *lines, self.buf = self.buf.split("\n")
+        for line in lines:
+            self.queue.put(("print", self.rank, line))
+        return len(text)
+
+    def flush(self) -> None:
+        if self.buf:
+            self.queue.put(("print", self.rank, self.buf))
+            self.buf = ""
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this rank if the notebook's kernel dies first."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: the parent's kill_all is the only guard
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _loopback() -> str:
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in names if n.startswith("lo")), "lo")
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, torch.nn.Module):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_cpu(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _hint(err: BaseException) -> str:
+    text = str(err)
+    if "re-initialize CUDA in forked subprocess" in text:
+        return "\nFix: restart the kernel and keep every CUDA call inside the launched function."
+    if "Duplicate GPU" in text:
+        return "\nFix: NCCL needs one GPU per rank; use backend='gloo' or fewer ranks."
+    if "default process group has not been initialized" in text:
+        return "\nFix: launch with init=True (the default), or call init_process_group in fn."
+    return ""
+
+
+def child_main(fn, rank, world_size, args, plan, port, queue, stack_file, init, timeout, parent_pid):
+    """Body of a forked rank: isolate, set up, run ``fn``, send back its result or error."""
+    global _QUEUE, _RANK
+    os.setpgrp()  # its own process group, so the parent can kill it with its DataLoader workers
+    _die_with_parent(parent_pid)
+    _QUEUE, _RANK = queue, rank
+    torch.set_num_threads(1)  # see launch's docstring: more threads can hang after fork
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      GLOO_SOCKET_IFNAME=_loopback(), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    sys.stdout = sys.stderr = _QueueWriter(queue, rank)
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    code = 0
+    try:
+        device = plan.devices[rank]
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if init:
+            dist.init_process_group(plan.backend, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=timeout))
+        result = fn(rank, world_size, *args)
+        if dist.is_initialized():  # fn may have torn the group down itself, as scripts do
+            dist.barrier()
+            dist.destroy_process_group()
+        payload = pickle.dumps(_to_cpu(result))
+        sys.stdout.flush()
+        queue.put(("result", rank, payload))
+    except BaseException as err:  # everything, KeyboardInterrupt included, goes to the parent
+        sys.stdout.flush()
+        queue.put(("error", rank, f"{type(err).__name__}: {err}", traceback.format_exc() + _hint(err)))
+        code = 1
+    queue.close()
+    queue.join_thread()
+    os._exit(code)

@@ -1,0 +1,207 @@
+"""What this machine has, read without initialising CUDA, and where ranks go.
+
+Nothing here creates a CUDA context: GPU names and memory come from NVML,
+counts from ``torch.cuda.device_count()`` (NVML-based, see ``helpers/__init__``),
+so a notebook can look at its hardware and still fork training ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class GPU:
+    index: int
+    name: str
+    memory_gib: float | None  # None when NVML cannot be read
+
+
+@dataclass(frozen=True)
+class Machine:
+    torch_version: str
+    cuda_build: str | None
+    gpus: tuple[GPU, ...]
+    cpu_cores: int
+    shm_gib: float | None
+    peer_access: dict[tuple[int, int], bool] = field(default_factory=dict)
+
+    @property
+    def n_gpus(self) -> int:
+        return len(self.gpus)
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on (its affinity mask, not the whole box).
+
+    Introduced in notebooks/00-check-environment.ipynb.
+    """
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS has no affinity masks
+        return os.cpu_count() or 1
+
+
+def gpu_count() -> int:
+    """Number of visible CUDA GPUs, without creating a CUDA context.
+
+    Introduced in notebooks/00-check-environment.ipynb.
+    """
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _nvml_gpus(n: int) -> tuple[list[GPU], dict[tuple[int, int], bool]]:
+    """Names, memory and peer access from NVML; placeholders where it fails."""
+    gpus = [GPU(i, "unknown (NVML unreadable)", None) for i in range(n)]
+    peers: dict[tuple[int, int], bool] = {}
+    if n == 0:
+        return gpus, peers
+    try:
+        import pynvml
+    except ImportError:
+        return gpus, peers
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return gpus, peers
+    try:
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in _nvml_indices(n)]
+        for i, h in enumerate(handles):
+            name = pynvml.nvmlDeviceGetName(h)
+            name = name.decode() if isinstance(name, bytes) else name
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h).total / 2**30
+            gpus[i] = GPU(i, name, round(mem, 1))
+        for i, a in enumerate(handles):
+            for j, b in enumerate(handles):
+                if i != j:
+                    status = pynvml.nvmlDeviceGetP2PStatus(a, b, pynvml.NVML_P2P_CAPS_INDEX_READ)
+                    peers[(i, j)] = status == pynvml.NVML_P2P_STATUS_OK
+    except (pynvml.NVMLError, AttributeError):
+        pass  # keep whatever was read; older drivers lack P2P queries
+    finally:
+        pynvml.nvmlShutdown()
+    return gpus, peers
+
+
+def _nvml_indices(n: int) -> list[int]:
+    """NVML counts every GPU in the box; map CUDA_VISIBLE_DEVICES onto it."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return list(range(n))
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    if all(v.isdigit() for v in ids):
+        return [int(v) for v in ids[:n]]
+    return list(range(n))  # UUIDs: keep CUDA's order as the best guess
+
+
+def shm_gib() -> float | None:
+    """Size of /dev/shm in GiB (DataLoader workers pass batches through it).
+
+    Introduced in notebooks/00-check-environment.ipynb.
+    """
+    try:
+        return round(shutil.disk_usage("/dev/shm").total / 2**30, 1)
+    except OSError:
+        return None
+
+
+def describe() -> Machine:
+    """Versions, GPUs (names, memory, peer access), CPU cores and /dev/shm.
+
+    Introduced in notebooks/00-check-environment.ipynb.
+    """
+    gpus, peers = _nvml_gpus(gpu_count())
+    return Machine(
+        torch_version=torch.__version__,
+        cuda_build=torch.version.cuda,
+        gpus=tuple(gpus),
+        cpu_cores=cpu_cores(),
+        shm_gib=shm_gib(),
+        peer_access=peers,
+    )
+
+
+def pick_device(index: int = 0) -> torch.device:
+    """``cuda:index`` if that GPU exists, else the best that does (cuda:0, then CPU).
+
+    Introduced in notebooks/01-single-gpu.ipynb.
+    """
+    if index < 0:
+        raise ValueError(f"GPU index must be >= 0, got {index}")
+    n = gpu_count()
+    if index < n:
+        return torch.device("cuda", index)
+    return torch.device("cuda", 0) if n else torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class Plan:
+    devices: tuple[torch.device, ...]  # devices[rank]
+    backend: str                       # "nccl" or "gloo"
+    kind: str                          # "cpu", "shared-gpu", "multi-gpu", "partly-shared"
+    sentence: str                      # what is real and what is stood in for
+
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+    def __str__(self) -> str:
+        return self.sentence
+
+
+def plan(world_size: int, n_gpus: int | None = None, backend: str | None = None) -> Plan:
+    """Place ``world_size`` ranks on this machine's devices and pick a backend.
+
+    NCCL only when every rank has a GPU of its own; gloo for CPU ranks and for
+    ranks that share a GPU (NCCL refuses two ranks on one GPU). ``n_gpus``
+    overrides the count (for tests and "what if" questions); ``backend`` forces
+    one, and an impossible choice raises.
+
+    Introduced in notebooks/00-check-environment.ipynb.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise ValueError(f"world_size must be an int, got {world_size!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    n = gpu_count() if n_gpus is None else n_gpus
+    if n < 0:
+        raise ValueError(f"n_gpus must be >= 0, got {n}")
+    if backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {backend!r}")
+
+    if n == 0:
+        devices = tuple(torch.device("cpu") for _ in range(world_size))
+        kind = "cpu"
+        what = (f"{world_size} rank{'s' if world_size > 1 else ''} on CPU (gloo): "
+                "the mechanics are real, the speed-up is CPU cores', not GPUs'")
+    else:
+        devices = tuple(torch.device("cuda", r % n) for r in range(world_size))
+        if world_size <= n:
+            kind = "multi-gpu"
+            what = f"{world_size} rank{'s' if world_size > 1 else ''}, each on its own GPU (nccl): real multi-GPU"
+        elif n == 1:
+            kind = "shared-gpu"
+            what = (f"{world_size} ranks share cuda:0 (gloo, since NCCL refuses two ranks on one GPU): "
+                    "the mechanics are real, no speed-up is expected")
+        else:
+            kind = "partly-shared"
+            shared = sorted({r % n for r in range(n, world_size)})
+            names = ", ".join(f"cuda:{g}" for g in shared)
+            what = (f"{world_size} ranks on {n} GPUs, round-robin; {names} {'carries' if len(shared) == 1 else 'carry'} "
+                    "more than one rank (gloo): "
+                    "the mechanics are real, the speed-up is at most the GPUs'")
+
+    best = "nccl" if kind == "multi-gpu" else "gloo"
+    if backend == "nccl" and best != "nccl":
+        raise ValueError(
+            f"backend='nccl' needs one GPU per rank, but this plan is: {what}. "
+            "Use backend='gloo' (or None), or ask for fewer ranks."
+        )
+    chosen = backend or best
+    if chosen != best:
+        what += f" [backend forced to {chosen}]"
+    return Plan(devices=devices, backend=chosen, kind=kind, sentence=what)

@@ -1,0 +1,62 @@
+"""Matplotlib figures the notebooks show; the notebook (parent) draws them all."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+
+
+def plot_history(history: list[dict], title: str = "", ax=None):
+    """Train loss and test accuracy per epoch from ``fit``'s history.
+
+    Introduced in notebooks/01-single-gpu.ipynb.
+    """
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 3.2))
+    epochs = [r["epoch"] for r in history]
+    ax.plot(epochs, [r["train_loss"] for r in history], "o-", label="train loss")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("loss")
+    acc = ax.twinx()
+    acc.plot(epochs, [r["test_acc"] for r in history], "s--", color="tab:orange", label="test accuracy")
+    acc.set_ylabel("test accuracy")
+    ax.set_title(title)
+    ax.figure.legend(loc="lower center", ncol=2, fontsize="small")
+    ax.figure.tight_layout(rect=(0, 0.08, 1, 1))
+    return ax
+
+
+def plot_bars(values: dict[str, float], ylabel: str, title: str = "", ax=None):
+    """One labelled bar per entry, value written on top (throughputs, times).
+
+    Introduced in notebooks/01-single-gpu.ipynb.
+    """
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 3.2))
+    names, heights = list(values), list(values.values())
+    bars = ax.bar(names, heights, color=plt.cm.tab10.colors[: len(names)])
+    ax.bar_label(bars, fmt="%.0f")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.figure.tight_layout()
+    return ax
+
+
+def plot_curves(curves: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str,
+                title: str = "", ax=None):
+    """One line per named series of (x, y) points: loss curves of several runs, say.
+
+    Introduced in notebooks/01-single-gpu.ipynb.
+    """
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 3.2))
+    for name, points in curves.items():
+        if points:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if curves:
+        ax.legend(fontsize="small")
+    ax.figure.tight_layout()
+    return ax

@@ -1,0 +1,172 @@
+"""One device, one process: train an epoch, evaluate, fit over epochs.
+
+The loop keeps its running loss and accuracy on the device and reads them once
+per epoch, so it never waits on the GPU inside a step (a ``loss.item()`` per
+step would). The same functions run inside every DDP rank in later notebooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+AMP_DTYPES = {None: None, "off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Stats:
+    loss: float
+    accuracy: float
+    samples: int
+    seconds: float
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else float("inf")
+
+
+def sync(device) -> None:
+    """Wait for queued GPU work, so a clock read afterwards is honest.
+
+    Introduced in notebooks/01-single-gpu.ipynb.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def autocast(device, amp: str | None):
+    """``torch.autocast`` for 'bf16'/'fp16', or a no-op context for None/'off'.
+
+    Introduced in notebooks/01-single-gpu.ipynb.
+    """
+    if amp not in AMP_DTYPES:
+        raise ValueError(f"amp must be one of {list(AMP_DTYPES)}, got {amp!r}")
+    dtype = AMP_DTYPES[amp]
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+
+
+def make_scaler(device, amp: str | None):
+    """A GradScaler when fp16 on a GPU needs one (bf16 and fp32 do not), else None.
+
+    Introduced in notebooks/01-single-gpu.ipynb.
+    """
+    if amp == "fp16" and torch.device(device).type == "cuda":
+        return torch.amp.GradScaler("cuda")
+    return None
+
+
+def _batches(loader, device):
+    for x, y in loader:
+        yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+
+def train_one_epoch(model, loader, optimizer, device, *, amp=None, scaler=None,
+                    loss_fn=F.cross_entropy, on_step=None, max_steps=None) -> Stats:
+    """Train one pass over ``loader``; returns mean loss, accuracy, samples, seconds.
+
+    ``on_step(step, loss_tensor)`` is called after every step (it may call
+    ``.item()``; the loop itself never does). ``max_steps`` stops early.
+    Introduced in notebooks/01-single-gpu.ipynb.
+    """
+    device = torch.device(device)
+    model.train()
+    total_loss = torch.zeros((), device=device)
+    correct = torch.zeros((), dtype=torch.long, device=device)
+    seen = 0
+    sync(device)
+    start = time.perf_counter()
+    for step, (x, y) in enumerate(_batches(loader, device)):
+        if max_steps is not None and step >= max_steps:
+            break
+        with autocast(device, amp):
+            out = model(x)
+            loss = loss_fn(out, y)
+        optimizer.zero_grad(set_to_none=True)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
+        total_loss += loss.detach() * y.shape[0]
+        correct += (out.argmax(1) == y).sum()
+        seen += y.shape[0]
+        if on_step is not None:
+            on_step(step, loss)
+    sync(device)
+    seconds = time.perf_counter() - start
+    if seen == 0:
+        raise ValueError("the loader produced no batches")
+    return Stats(total_loss.item() / seen, correct.item() / seen, seen, seconds)
+
+
+@torch.no_grad()
+def evaluate(model, loader, device, *, amp=None, loss_fn=F.cross_entropy) -> Stats:
+    """Mean loss and accuracy over ``loader`` in eval mode.
+
+    Introduced in notebooks/01-single-gpu.ipynb.
+    """
+    device = torch.device(device)
+    model.eval()
+    total_loss = torch.zeros((), device=device)
+    correct = torch.zeros((), dtype=torch.long, device=device)
+    seen = 0
+    sync(device)
+    start = time.perf_counter()
+    for x, y in _batches(loader, device):
+        with autocast(device, amp):
+            out = model(x)
+            total_loss += loss_fn(out, y, reduction="sum").float()
+        correct += (out.argmax(1) == y).sum()
+        seen += y.shape[0]
+    sync(device)
+    if seen == 0:
+        raise ValueError("the loader produced no batches")
+    return Stats(total_loss.item() / seen, correct.item() / seen, seen, time.perf_counter() - start)
+
+
+def _set_epoch(loader, epoch: int) -> None:
+    """Reshuffle per epoch: DeviceLoader and DistributedSampler both need telling."""
+    for obj in (loader, getattr(loader, "sampler", None)):
+        if hasattr(obj, "set_epoch"):
+            obj.set_epoch(epoch)
+
+
+def fit(model, train_loader, test_loader, optimizer, device, epochs: int, *, amp=None,
+        progress: bool = True, on_epoch=None) -> list[dict]:
+    """Train for ``epochs`` with a tqdm bar; returns one dict of figures per epoch.
+
+    Each dict holds epoch, train_loss, train_acc, test_loss, test_acc,
+    samples_per_s (training), seconds (training) and elapsed (wall time since
+    the start, evaluation included). ``on_epoch(row)`` sees each dict as it
+    is made (a live plot, say).
+    Introduced in notebooks/01-single-gpu.ipynb.
+    """
+    from tqdm.auto import tqdm
+
+    scaler = make_scaler(device, amp)
+    history = []
+    start = time.perf_counter()
+    with tqdm(total=epochs * len(train_loader), disable=not progress, desc="train", unit="step") as bar:
+        for epoch in range(epochs):
+            _set_epoch(train_loader, epoch)
+            train = train_one_epoch(model, train_loader, optimizer, device, amp=amp, scaler=scaler,
+                                    on_step=lambda step, loss: bar.update(1))
+            test = evaluate(model, test_loader, device, amp=amp)
+            row = dict(epoch=epoch + 1, train_loss=train.loss, train_acc=train.accuracy,
+                       test_loss=test.loss, test_acc=test.accuracy,
+                       samples_per_s=train.samples_per_s, seconds=train.seconds,
+                       elapsed=time.perf_counter() - start)
+            history.append(row)
+            bar.set_postfix(loss=f"{train.loss:.3f}", test_acc=f"{test.accuracy:.3f}")
+            if on_epoch is not None:
+                on_epoch(row)
+    return history
