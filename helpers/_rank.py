@@ -19,6 +19,21 @@ import torch.distributed as dist
 
 _QUEUE = None  # set in a launched rank: where report() and prints go
 _RANK = None
+_DEVICE = None
+
+
+def rank_device() -> torch.device:
+    """The device this rank should use: the plan's under ``launch``, else from LOCAL_RANK.
+
+    Under torchrun (no plan), rank r gets cuda:r when that GPU exists, else the CPU.
+    Introduced in notebooks/00-check-environment.ipynb.
+    """
+    if _DEVICE is not None:
+        return _DEVICE
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available() and local < torch.cuda.device_count():
+        return torch.device("cuda", local)
+    return torch.device("cpu")
 
 
 def report(**metrics) -> None:
@@ -98,7 +113,7 @@ def _hint(err: BaseException) -> str:
 
 def child_main(fn, rank, world_size, args, plan, port, queue, stack_file, init, timeout, parent_pid):
     """Body of a forked rank: isolate, set up, run ``fn``, send back its result or error."""
-    global _QUEUE, _RANK
+    global _QUEUE, _RANK, _DEVICE
     os.setpgrp()  # its own process group, so the parent can kill it with its DataLoader workers
     _die_with_parent(parent_pid)
     _QUEUE, _RANK = queue, rank
@@ -110,7 +125,7 @@ def child_main(fn, rank, world_size, args, plan, port, queue, stack_file, init, 
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     code = 0
     try:
-        device = plan.devices[rank]
+        device = _DEVICE = plan.devices[rank]
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if init:

@@ -21,10 +21,11 @@ import socket
 import tempfile
 import time
 
+import psutil
 import torch
 
 from . import devices
-from ._rank import child_main, report  # noqa: F401  (report is part of this module's API)
+from ._rank import child_main, rank_device, report  # noqa: F401  (rank_device, report: this module's API)
 
 
 class LaunchError(RuntimeError):
@@ -158,6 +159,7 @@ class _Watcher:
     def __init__(self, world_size, on_event, progress):
         self.results = [None] * world_size
         self.done: set[int] = set()
+        self.failures: dict[int, str] = {}  # rank → what went wrong, in order of arrival
         self.last: dict[int, dict] = {}
         self.on_event, self.progress, self.bar = on_event, progress, None
 
@@ -174,7 +176,8 @@ class _Watcher:
             self.results[rank] = pickle.loads(msg[2])
             self.done.add(rank)
         elif kind == "error":
-            raise RankFailed(f"rank {rank} failed: {msg[2]}\n--- traceback from rank {rank} ---\n{msg[3]}")
+            self.failures[rank] = f"rank {rank} failed: {msg[2]}\n--- traceback from rank {rank} ---\n{msg[3]}"
+            self.done.add(rank)
 
     def _draw(self, rank, metrics) -> None:
         if not self.progress or rank != 0 or "total" not in metrics or "step" not in metrics:
@@ -193,22 +196,34 @@ class _Watcher:
 
 
 def _supervise(procs, events, watcher: _Watcher, deadline: float, stack_files) -> None:
-    while len(watcher.done) < len(procs):
+    grace = None  # once something fails, listen a little longer to find the first cause
+    while len(watcher.done) < len(procs) or watcher.failures:
         try:
             watcher.handle(events.get(timeout=0.05))
-            continue
         except queue_lib.Empty:
-            pass
-        dead = [r for r, p in enumerate(procs) if r not in watcher.done and p.exitcode is not None]
-        if dead:
-            _drain(events, watcher, seconds=1.0)  # its last words may still be in the pipe
-            dead = [r for r in dead if r not in watcher.done]
-            if dead:
-                r = dead[0]
-                raise RankFailed(f"rank {r} died without reporting an error: {_exit_text(procs[r].exitcode)}")
-        if time.perf_counter() > deadline:
+            for r, p in enumerate(procs):
+                if r not in watcher.done and p.exitcode is not None:
+                    _drain(events, watcher, seconds=0.5)  # its last words may still be in the pipe
+                    if r not in watcher.done:
+                        watcher.failures = {r: f"rank {r} died without reporting an error: "
+                                               f"{_exit_text(p.exitcode)}", **watcher.failures}
+                        watcher.done.add(r)
+        if watcher.failures:
+            grace = grace or time.perf_counter() + 0.5
+            if time.perf_counter() > grace or len(watcher.done) == len(procs):
+                raise RankFailed(_failure_text(watcher.failures))
+        elif time.perf_counter() > deadline:
             stuck = [r for r in range(len(procs)) if r not in watcher.done]
             raise RankTimeout(_timeout_text(stuck, procs, watcher.last, stack_files))
+
+
+def _failure_text(failures: dict[int, str]) -> str:
+    """The first cause in full; what followed from it (peers losing their connection) in one line each."""
+    first, *rest = failures.values()
+    if rest:
+        first += "\nThen, probably as a consequence:\n" + "\n".join(
+            "  " + text.split("\n--- traceback", 1)[0][:300] for text in rest)
+    return first
 
 
 def _drain(events, watcher: _Watcher, seconds: float) -> None:
@@ -247,18 +262,35 @@ def _timeout_text(stuck, procs, last, stack_files) -> str:
 
 
 def kill_all(procs) -> None:
-    """SIGKILL each rank's whole process group (its DataLoader workers too) and reap it.
+    """SIGKILL each rank's whole process group (its DataLoader workers too) and wait until they are gone.
 
     Introduced in notebooks/03-ddp-fork.ipynb.
     """
-    for proc in procs:
-        if proc.pid is None:
-            continue
+    started = [proc for proc in procs if proc.pid is not None]
+    for proc in started:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # each rank leads its own group
         except (ProcessLookupError, PermissionError):
             pass
         if proc.exitcode is None:
             proc.kill()
-    for proc in procs:
+    for proc in started:
         proc.join(timeout=10)
+    deadline = time.monotonic() + 5
+    while any(_group_alive(proc.pid) for proc in started) and time.monotonic() < deadline:
+        time.sleep(0.01)  # SIGKILL is delivered at once, but dying takes a few milliseconds
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` still runs (zombies hold nothing and count as gone)."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return False

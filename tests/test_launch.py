@@ -1,0 +1,217 @@
+"""helpers.launch: results, failures, hangs, interrupts, and never an orphan."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from helpers import launch as L
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def alive(pids):
+    """Pids still running (zombies count as gone: they hold no memory or GPU)."""
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def assert_port_free(port):
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+
+
+@pytest.fixture(autouse=True)
+def no_children_left():
+    yield
+    assert psutil.Process().children(recursive=True) == []
+
+
+def sum_of_ranks(rank, world_size, scale):
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    print(f"sum is {t.item()}")
+    L.report(step=0, total=1, loss=torch.tensor(0.5))
+    return {"sum": t * scale, "rank": rank, "pid": os.getpid()}
+
+
+def test_results_come_back_by_rank(capsys):
+    events = []
+    torch.randn(600, 600) @ torch.randn(600, 600)  # the notebook has used the thread pool before forking
+    out = L.launch(sum_of_ranks, 3, 2.0, on_event=lambda r, m: events.append((r, m)), progress=False)
+    assert [o["rank"] for o in out] == [0, 1, 2]
+    assert all(torch.equal(o["sum"], torch.tensor([12.0])) and o["sum"].device.type == "cpu" for o in out)
+    assert sorted(r for r, _ in events) == [0, 1, 2] and events[0][1]["loss"] == 0.5
+    printed = capsys.readouterr().out
+    assert "launch: 3 ranks on CPU" in printed or "launch: 3 ranks" in printed
+    assert all(f"[rank {r}] sum is 6.0" in printed for r in range(3))
+    assert_port_free(out.port)
+    assert alive([o["pid"] for o in out]) == []
+
+
+def failing(rank, world_size):
+    if rank == 1:
+        raise ValueError("rank one is broken")
+    dist.barrier()  # rank 0 would wait here forever
+
+
+def test_a_raising_rank_fails_fast_with_its_traceback():
+    start = time.perf_counter()
+    with pytest.raises(L.RankFailed) as info:
+        L.launch(failing, 2, timeout=60)
+    assert time.perf_counter() - start < 10
+    text = str(info.value)
+    assert "rank 1 failed: ValueError: rank one is broken" in text
+    assert "traceback from rank 1" in text and "in failing" in text
+    assert_port_free(info.value.port)
+
+
+def sleepy(rank, world_size, pid_file):
+    loader = DataLoader(TensorDataset(torch.zeros(64)), batch_size=1, num_workers=2)
+    it = iter(loader)
+    next(it)  # workers are running now
+    pids = [c.pid for c in psutil.Process().children()]
+    with open(f"{pid_file}.{rank}", "w") as f:
+        f.write(" ".join(map(str, [os.getpid(), *pids])))
+    if rank == 1:
+        time.sleep(600)
+    dist.barrier()
+
+
+def test_a_hanging_rank_times_out_and_nothing_survives(tmp_path):
+    with pytest.raises(L.RankTimeout) as info:
+        L.launch(sleepy, 2, str(tmp_path / "pids"), timeout=8)
+    text = str(info.value)
+    assert "did not finish in time" in text and "in sleepy" in text and "barrier" in text
+    pids = [int(p) for r in range(2) for p in (tmp_path / f"pids.{r}").read_text().split()]
+    assert len(pids) == 6, "each rank and its two DataLoader workers"
+    assert alive(pids) == []
+    assert_port_free(info.value.port)
+
+
+def dies(rank, world_size):
+    if rank == 0:
+        os._exit(3)
+    dist.barrier()
+
+
+def test_a_rank_that_dies_silently_is_named():
+    with pytest.raises(L.RankFailed, match="rank 0 died without reporting an error: exit code 3"):
+        L.launch(dies, 2, timeout=60)
+
+
+def test_cuda_already_initialised_is_refused_before_forking(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    before = len(psutil.Process().children())
+    with pytest.raises(L.CudaInitialized, match="restart the kernel"):
+        L.launch(sum_of_ranks, 2, 1.0)
+    assert len(psutil.Process().children()) == before
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="world_size"):
+        L.launch(sum_of_ranks, 0, 1.0)
+    with pytest.raises(TypeError):
+        L.launch("not a function", 2)
+    with pytest.raises(ValueError, match="timeout"):
+        L.launch(sum_of_ranks, 2, 1.0, timeout=0)
+
+
+def test_twenty_launches_in_a_row():
+    start = time.perf_counter()
+    for i in range(20):
+        out = L.launch(sum_of_ranks, 2, float(i), quiet=True, progress=False)
+        assert out[1]["sum"].item() == 3.0 * i
+    assert time.perf_counter() - start < 60
+
+
+def plain_ddp(rank, world_size):
+    """Written as in the PyTorch tutorial: no helpers inside."""
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(4, 1))
+    data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+    sampler = DistributedSampler(data, shuffle=True, seed=0)
+    loader = DataLoader(data, batch_size=4, sampler=sampler)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            seen.append(len(x))
+    return {"weight": model.module.weight.detach(), "samples": sum(seen), "rank": dist.get_rank()}
+
+
+def test_a_plain_ddp_function_runs_unchanged():
+    out = L.launch(plain_ddp, 2, progress=False)
+    assert [o["rank"] for o in out] == [0, 1]
+    assert all(o["samples"] == 32 for o in out), "each rank sees half the data for two epochs"
+    assert torch.equal(out[0]["weight"], out[1]["weight"]), "DDP keeps replicas identical"
+
+
+def self_initialising(rank, world_size):
+    """A torchrun-style script body: it sets up and tears down its own process group."""
+    dist.init_process_group("gloo")  # reads RANK, WORLD_SIZE, MASTER_ADDR/PORT as torchrun sets them
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return t.item(), os.environ["LOCAL_RANK"]
+
+
+def test_init_false_leaves_setup_to_fn_with_torchrun_env():
+    assert L.launch(self_initialising, 2, init=False, progress=False) == [(2.0, "0"), (2.0, "1")]
+
+
+INTERRUPT_SCRIPT = textwrap.dedent("""
+    import os, sys, time, torch, torch.distributed as dist
+    from helpers.launch import launch
+    def forever(rank, world_size, pid_dir):
+        open(os.path.join(pid_dir, str(os.getpid())), "w").close()
+        while True:
+            dist.barrier()
+            time.sleep(0.05)
+    def ok(rank, world_size):
+        return rank
+    try:
+        launch(forever, 2, sys.argv[1], timeout=120)
+    except KeyboardInterrupt:
+        print("caught KeyboardInterrupt", flush=True)
+    print("relaunch:", list(launch(ok, 2, quiet=True, progress=False)), flush=True)
+""")
+
+
+def test_an_interrupt_stops_every_rank_and_the_kernel_carries_on(tmp_path):
+    script = tmp_path / "interrupt.py"
+    script.write_text(INTERRUPT_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 60
+    while len([p for p in tmp_path.iterdir() if p.name.isdigit()]) < 2 and time.time() < deadline:
+        time.sleep(0.1)
+    rank_pids = [int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()]
+    assert len(rank_pids) == 2, "ranks never started"
+    proc.send_signal(signal.SIGINT)  # what Jupyter's interrupt button does to the kernel
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "interrupted; stopped all 2 ranks" in out and "caught KeyboardInterrupt" in out
+    assert "relaunch: [0, 1]" in out
+    assert alive(rank_pids) == []
