@@ -12,6 +12,7 @@ kernel can launch again.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -62,6 +63,36 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class _Captured:
+    def __init__(self):
+        self.value = ""
+
+    def text(self) -> str:
+        return self.value
+
+
+@contextlib.contextmanager
+def child_stderr():
+    """Collect what child processes write to file descriptor 2, which a notebook never shows.
+
+    A spawned or crashed child prints its traceback there and nowhere else.
+    Yields an object whose ``text()`` returns it once the block is over; the
+    kernel's stderr is restored then.
+    Introduced in notebooks/03-ddp-fork.ipynb.
+    """
+    captured = _Captured()
+    with tempfile.TemporaryFile() as file:
+        saved = os.dup(2)
+        os.dup2(file.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            file.seek(0)
+            captured.value = file.read().decode(errors="replace")
 
 
 def prewarm() -> float:

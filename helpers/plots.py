@@ -60,3 +60,48 @@ def plot_curves(curves: dict[str, list[tuple[float, float]]], xlabel: str, ylabe
         ax.legend(fontsize="small")
     ax.figure.tight_layout()
     return ax
+
+
+class LivePlot:
+    """A loss-per-step plot that ranks' reports redraw in place (pass it as ``on_event``).
+
+    Ranks cannot draw; the notebook receives their ``report(step=..., loss=...)``
+    and this object redraws at most every ``every`` seconds, then once at the end
+    (call ``finish()``).
+    Introduced in notebooks/03-ddp-fork.ipynb.
+    """
+
+    def __init__(self, key: str = "loss", title: str = "", every: float = 0.5, ranks=None):
+        from collections import defaultdict
+
+        self.key, self.title, self.every, self.ranks = key, title, every, ranks
+        self.points = defaultdict(list)
+        self.handle = None
+        self.last_draw = 0.0
+
+    def __call__(self, rank: int, metrics: dict) -> None:
+        if self.key not in metrics or (self.ranks is not None and rank not in self.ranks):
+            return
+        self.points[f"rank {rank}"].append((metrics.get("step", len(self.points[f"rank {rank}"])), metrics[self.key]))
+        import time
+
+        if time.monotonic() - self.last_draw > self.every:
+            self.draw()
+
+    def draw(self) -> None:
+        import time
+
+        from IPython.display import display
+
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        plot_curves(dict(sorted(self.points.items())), "step", self.key, self.title, ax=ax)
+        if self.handle is None:
+            self.handle = display(fig, display_id=True)
+        else:
+            self.handle.update(fig)
+        plt.close(fig)
+        self.last_draw = time.monotonic()
+
+    def finish(self) -> dict:
+        self.draw()
+        return dict(self.points)

@@ -1,0 +1,94 @@
+"""DDP training functions that ranks run, and the one-process reference they must match.
+
+``ddp_steps`` is what each rank runs under ``launch`` (or torchrun): it reads
+its rank and device from the process group, shards the data with
+DistributedSampler, wraps the model in DDP and trains with the same
+``train_one_epoch`` as notebook 01.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ._rank import rank_device, report
+from .data import DeviceLoader
+from .models import ConvNet
+from .train import train_one_epoch
+
+
+def shard_sampler(dataset, rank: int, world_size: int, seed: int = 0) -> DistributedSampler:
+    """Rank ``rank``'s disjoint share of a seeded shuffle (drop_last: equal shares).
+
+    Introduced in notebooks/03-ddp-fork.ipynb.
+    """
+    return DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
+
+
+def _check_steps(n: int, world_size: int, batch_size: int, steps: int) -> None:
+    if steps > n // (world_size * batch_size):
+        raise ValueError(f"{steps} steps of {world_size}x{batch_size} need more than one epoch of {n} samples; "
+                         "use fewer steps or a smaller batch")
+
+
+def ddp_steps(rank: int, world_size: int, dataset, steps: int, batch_size: int, lr: float, *,
+              batch_norm: bool = False, seed: int = 0, warmup: int = 0) -> dict:
+    """Train a DDP ConvNet for ``steps`` steps of ``batch_size`` per rank, from seed ``seed``.
+
+    Returns the final parameters, the per-step losses, the sample indices this
+    rank trained on, and samples/s over the steps after ``warmup`` untimed ones.
+    Reports step/total/loss to the notebook after each timed step.
+    Introduced in notebooks/03-ddp-fork.ipynb.
+    """
+    assert dist.get_world_size() == world_size and dist.get_rank() == rank
+    _check_steps(len(dataset), world_size, batch_size, steps)
+    device = rank_device()
+    torch.manual_seed(seed)  # every rank builds the same model; DDP also broadcasts rank 0's weights
+    model = ConvNet(batch_norm=batch_norm).to(device)
+    ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None)
+    sampler = shard_sampler(dataset, rank, world_size, seed)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
+    if warmup:
+        train_one_epoch(ddp, loader, opt, device, max_steps=warmup)
+    losses = []
+
+    def on_step(step, loss):
+        losses.append(loss.item())
+        report(step=step, total=steps, loss=losses[-1])
+
+    stats = train_one_epoch(ddp, loader, opt, device, max_steps=steps, on_step=on_step)
+    return {"params": {k: v.detach() for k, v in model.state_dict().items()}, "losses": losses,
+            "indices": list(sampler)[: steps * batch_size], "samples_per_s": stats.samples_per_s}
+
+
+def one_process_steps(dataset, steps: int, batch_size: int, lr: float, device="cpu", *,
+                      batch_norm: bool = False, seed: int = 0) -> dict:
+    """The reference: one process, batch ``batch_size``, the same seeded shuffle as ``ddp_steps``.
+
+    With batch W·b, its step k sees exactly the union of the W ranks' step-k
+    batches (DistributedSampler deals the shuffle out round-robin).
+    Introduced in notebooks/03-ddp-fork.ipynb.
+    """
+    _check_steps(len(dataset), 1, batch_size, steps)
+    torch.manual_seed(seed)
+    model = ConvNet(batch_norm=batch_norm).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses = []
+    loader = DeviceLoader(dataset, batch_size, device, shuffle=True, seed=seed)
+    stats = train_one_epoch(model, loader, opt, device, max_steps=steps,
+                            on_step=lambda step, loss: losses.append(loss.item()))
+    return {"params": {k: v.detach().cpu() for k, v in model.state_dict().items()}, "losses": losses,
+            "samples_per_s": stats.samples_per_s}
+
+
+def max_param_diff(a: dict, b: dict) -> float:
+    """Largest absolute difference between two state dicts' floating-point entries.
+
+    Introduced in notebooks/03-ddp-fork.ipynb.
+    """
+    if a.keys() != b.keys():
+        raise ValueError(f"different parameters: {sorted(a.keys() ^ b.keys())}")
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a if a[k].is_floating_point())
