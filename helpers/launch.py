@@ -20,6 +20,7 @@ import queue as queue_lib
 import signal
 import socket
 import tempfile
+import threading
 import time
 
 import psutil
@@ -176,12 +177,29 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, backend: str | No
         print(f"launch: interrupted; stopped all {world_size} ranks")
         raise
     finally:
-        watcher.close()
-        kill_all(procs)
-        events.close()
-        events.cancel_join_thread()
-        for f in stack_files:
-            f.close()
+        with _interrupts_deferred():  # a second Ctrl-C must not cut the clean-up short
+            watcher.close()
+            kill_all(procs)
+            events.close()
+            events.cancel_join_thread()
+            for f in stack_files:
+                f.close()
+
+
+@contextlib.contextmanager
+def _interrupts_deferred():
+    """Hold SIGINT until the block ends, then raise KeyboardInterrupt if one came."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
 
 
 class _Watcher:

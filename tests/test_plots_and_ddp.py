@@ -1,0 +1,90 @@
+"""What the notebooks draw and what DDP ranks run, at test size."""
+
+import functools
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import torch  # noqa: E402
+from torch.utils.data import TensorDataset  # noqa: E402
+
+from helpers import ddp, devices, plots  # noqa: E402
+from helpers.launch import child_stderr, free_port, launch, prewarm, rank_device, report  # noqa: E402
+
+
+def toy_set(n=512):
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+
+def test_plots_draw_what_they_are_given():
+    history = [dict(epoch=1, train_loss=2.0, test_acc=0.5), dict(epoch=2, train_loss=1.0, test_acc=0.7)]
+    ax = plots.plot_history(history)
+    assert list(ax.lines[0].get_ydata()) == [2.0, 1.0]
+    ax = plots.plot_bars({"a": 1.0, "b": 3.0}, "rate")
+    assert [round(p.get_height()) for p in ax.patches] == [1, 3]
+    ax = plots.plot_curves({"x": [(0, 1.0), (1, 0.5)], "empty": []}, "step", "loss")
+    assert len(ax.lines) == 1
+
+
+def test_live_plot_keeps_every_point_of_the_ranks_asked_for(monkeypatch):
+    monkeypatch.setattr("IPython.display.display", lambda *a, **k: None)
+    live = plots.LivePlot("loss", ranks=[0], every=0.0)
+    for step in range(3):
+        live(0, {"step": step, "loss": 1.0 / (step + 1)})
+        live(1, {"step": step, "loss": 9.0})
+    live(0, {"other": 1})
+    assert live.finish() == {"rank 0": [(0, 1.0), (1, 0.5), (2, 1 / 3)]}
+
+
+def test_ddp_steps_match_one_process_with_the_big_batch():
+    data = toy_set()
+    out = launch(ddp.ddp_steps, 2, data, 3, 16, 0.1, quiet=True, progress=False)
+    ref = ddp.one_process_steps(data, 3, 32, 0.1)
+    assert ddp.max_param_diff(out[0]["params"], ref["params"]) < 1e-5
+    assert ddp.max_param_diff(out[0]["params"], out[1]["params"]) == 0.0
+    assert not set(out[0]["indices"]) & set(out[1]["indices"])
+    with_bn = launch(functools.partial(ddp.ddp_steps, batch_norm=True), 2, data, 3, 16, 0.1,
+                     quiet=True, progress=False)
+    assert ddp.max_param_diff(with_bn[0]["params"], ddp.one_process_steps(data, 3, 32, 0.1,
+                                                                          batch_norm=True)["params"]) > 1e-4
+
+
+def test_ddp_steps_refuse_more_than_one_epoch():
+    data = toy_set(64)
+    try:
+        ddp.one_process_steps(data, 5, 32, 0.1)
+    except ValueError as e:
+        assert "more than one epoch" in str(e)
+    else:
+        raise AssertionError("expected ValueError")
+
+
+def test_shard_sampler_shards_are_disjoint_and_cover():
+    data = toy_set(100)
+    shards = [list(ddp.shard_sampler(data, r, 4)) for r in range(4)]
+    assert sum(map(len, shards)) == 100 and len(set().union(*map(set, shards))) == 100
+
+
+def test_outside_a_launch_report_is_silent_and_rank_device_follows_local_rank(monkeypatch):
+    report(step=1, loss=0.5)  # no queue: nothing happens, nothing raises
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert rank_device() == devices.pick_device(0)
+
+
+def test_child_stderr_captures_what_children_write_to_fd_2():
+    with child_stderr() as captured:
+        pid = os.fork()
+        if pid == 0:
+            os.write(2, b"child says hi\n")
+            os._exit(0)
+        os.waitpid(pid, 0)
+    assert "child says hi" in captured.text()
+
+
+def test_free_port_and_prewarm():
+    assert 1024 <= free_port() < 65536
+    prewarm()
+    assert prewarm() < 0.5, "the second call finds everything imported"
