@@ -67,6 +67,30 @@ def _batches(loader, device):
         yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
+class _Tally:
+    """Running loss and accuracy kept on the device, read (one sync) at the end."""
+
+    def __init__(self, device):
+        self.device = device
+        self.loss = torch.zeros((), device=device)
+        self.correct = torch.zeros((), dtype=torch.long, device=device)
+        self.seen = 0
+        sync(device)
+        self.start = time.perf_counter()
+
+    def add(self, loss_sum, out, y) -> None:
+        self.loss += loss_sum
+        self.correct += (out.argmax(1) == y).sum()
+        self.seen += y.shape[0]
+
+    def stats(self) -> Stats:
+        sync(self.device)
+        seconds = time.perf_counter() - self.start
+        if self.seen == 0:
+            raise ValueError("the loader produced no batches")
+        return Stats(self.loss.item() / self.seen, self.correct.item() / self.seen, self.seen, seconds)
+
+
 def train_one_epoch(model, loader, optimizer, device, *, amp=None, scaler=None,
                     loss_fn=F.cross_entropy, on_step=None, max_steps=None) -> Stats:
     """Train one pass over ``loader``; returns mean loss, accuracy, samples, seconds.
@@ -77,11 +101,7 @@ def train_one_epoch(model, loader, optimizer, device, *, amp=None, scaler=None,
     """
     device = torch.device(device)
     model.train()
-    total_loss = torch.zeros((), device=device)
-    correct = torch.zeros((), dtype=torch.long, device=device)
-    seen = 0
-    sync(device)
-    start = time.perf_counter()
+    tally = _Tally(device)
     for step, (x, y) in enumerate(_batches(loader, device)):
         if max_steps is not None and step >= max_steps:
             break
@@ -96,16 +116,10 @@ def train_one_epoch(model, loader, optimizer, device, *, amp=None, scaler=None,
         else:
             loss.backward()
             optimizer.step()
-        total_loss += loss.detach() * y.shape[0]
-        correct += (out.argmax(1) == y).sum()
-        seen += y.shape[0]
+        tally.add(loss.detach() * y.shape[0], out, y)
         if on_step is not None:
             on_step(step, loss)
-    sync(device)
-    seconds = time.perf_counter() - start
-    if seen == 0:
-        raise ValueError("the loader produced no batches")
-    return Stats(total_loss.item() / seen, correct.item() / seen, seen, seconds)
+    return tally.stats()
 
 
 @torch.no_grad()
@@ -116,21 +130,13 @@ def evaluate(model, loader, device, *, amp=None, loss_fn=F.cross_entropy) -> Sta
     """
     device = torch.device(device)
     model.eval()
-    total_loss = torch.zeros((), device=device)
-    correct = torch.zeros((), dtype=torch.long, device=device)
-    seen = 0
-    sync(device)
-    start = time.perf_counter()
+    tally = _Tally(device)
     for x, y in _batches(loader, device):
         with autocast(device, amp):
             out = model(x)
-            total_loss += loss_fn(out, y, reduction="sum").float()
-        correct += (out.argmax(1) == y).sum()
-        seen += y.shape[0]
-    sync(device)
-    if seen == 0:
-        raise ValueError("the loader produced no batches")
-    return Stats(total_loss.item() / seen, correct.item() / seen, seen, time.perf_counter() - start)
+            loss_sum = loss_fn(out, y, reduction="sum").float()
+        tally.add(loss_sum, out, y)
+    return tally.stats()
 
 
 def _set_epoch(loader, epoch: int) -> None:
