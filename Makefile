@@ -13,8 +13,11 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)
 
+# Jupyter refuses to run as root unless told (containers often are root).
+LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
+
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab $(LAB_ARGS) notebooks/
 
 # Smoke mode shrinks every notebook's sizes so the suite runs in minutes on 2 CPU cores.
 test: $(STAMP)
