@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import io
+import time
+
 import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 
 
 def plot_history(history: list[dict], title: str = "", ax=None):
@@ -14,6 +18,7 @@ def plot_history(history: list[dict], title: str = "", ax=None):
         _, ax = plt.subplots(figsize=(6, 3.2))
     epochs = [r["epoch"] for r in history]
     ax.plot(epochs, [r["train_loss"] for r in history], "o-", label="train loss")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("epoch")
     ax.set_ylabel("loss")
     acc = ax.twinx()
@@ -35,6 +40,7 @@ def plot_bars(values: dict[str, float], ylabel: str, title: str = "", ax=None):
     names, heights = list(values), list(values.values())
     bars = ax.bar(names, heights, color=plt.cm.tab10.colors[: len(names)])
     ax.bar_label(bars, fmt="%.0f")
+    ax.margins(y=0.12)  # room for the labels
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.figure.tight_layout()
@@ -67,39 +73,39 @@ class LivePlot:
 
     Ranks cannot draw; the notebook receives their ``report(step=..., loss=...)``
     and this object redraws at most every ``every`` seconds, then once at the end
-    (call ``finish()``).
+    (call ``finish()``). It draws into an ``ipywidgets.Image``, because a widget
+    updates inside a panel's output area where IPython's display handles do not
+    (ipywidgets issue 1844).
     Introduced in notebooks/03-ddp-fork.ipynb.
     """
 
     def __init__(self, key: str = "loss", title: str = "", every: float = 0.5, ranks=None):
-        from collections import defaultdict
-
         self.key, self.title, self.every, self.ranks = key, title, every, ranks
-        self.points = defaultdict(list)
-        self.handle = None
+        self.points: dict[str, list] = {}
+        self.image = None
         self.last_draw = 0.0
 
     def __call__(self, rank: int, metrics: dict) -> None:
         if self.key not in metrics or (self.ranks is not None and rank not in self.ranks):
             return
-        self.points[f"rank {rank}"].append((metrics.get("step", len(self.points[f"rank {rank}"])), metrics[self.key]))
-        import time
-
+        series = self.points.setdefault(f"rank {rank}", [])
+        series.append((metrics.get("step", len(series)), metrics[self.key]))
         if time.monotonic() - self.last_draw > self.every:
             self.draw()
 
     def draw(self) -> None:
-        import time
-
+        import ipywidgets
         from IPython.display import display
 
         fig, ax = plt.subplots(figsize=(6, 3.2))
         plot_curves(dict(sorted(self.points.items())), "step", self.key, self.title, ax=ax)
-        if self.handle is None:
-            self.handle = display(fig, display_id=True)
-        else:
-            self.handle.update(fig)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=80)
         plt.close(fig)
+        if self.image is None:
+            self.image = ipywidgets.Image(format="png")
+            display(self.image)
+        self.image.value = png.getvalue()
         self.last_draw = time.monotonic()
 
     def finish(self) -> dict:

@@ -37,6 +37,7 @@ def test_live_plot_keeps_every_point_of_the_ranks_asked_for(monkeypatch):
         live(1, {"step": step, "loss": 9.0})
     live(0, {"other": 1})
     assert live.finish() == {"rank 0": [(0, 1.0), (1, 0.5), (2, 1 / 3)]}
+    assert bytes(live.image.value).startswith(b"\x89PNG"), "the widget holds the latest drawing"
 
 
 def test_ddp_steps_match_one_process_with_the_big_batch():
