@@ -182,6 +182,7 @@ class DeviceLoader:
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
+        """Shuffle the next pass with seed + epoch, as DistributedSampler.set_epoch does."""
         self.epoch = epoch
 
     def __len__(self) -> int:

@@ -16,6 +16,8 @@ import torch
 
 @dataclass(frozen=True)
 class GPU:
+    """One visible GPU as NVML reports it."""
+
     index: int
     name: str
     memory_gib: float | None  # None when NVML cannot be read
@@ -23,6 +25,8 @@ class GPU:
 
 @dataclass(frozen=True)
 class Machine:
+    """What ``describe()`` found: versions, GPUs, cores, shared memory, peer links."""
+
     torch_version: str
     cuda_build: str | None
     gpus: tuple[GPU, ...]
@@ -140,6 +144,8 @@ def pick_device(index: int = 0) -> torch.device:
 
 @dataclass(frozen=True)
 class Plan:
+    """Where each rank runs, over which backend, and one sentence saying what is real."""
+
     devices: tuple[torch.device, ...]  # devices[rank]
     backend: str                       # "nccl" or "gloo"
     kind: str                          # "cpu", "shared-gpu", "multi-gpu", "partly-shared"

@@ -12,7 +12,6 @@ kernel can launch again.
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -20,13 +19,12 @@ import queue as queue_lib
 import signal
 import socket
 import tempfile
-import threading
 import time
 
-import psutil
 import torch
 
 from . import devices
+from .procs import _interrupts_deferred, kill_all
 from ._rank import child_main, rank_device, report  # noqa: F401  (rank_device, report: this module's API)
 
 
@@ -64,36 +62,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class _Captured:
-    def __init__(self):
-        self.value = ""
-
-    def text(self) -> str:
-        return self.value
-
-
-@contextlib.contextmanager
-def child_stderr():
-    """Collect what child processes write to file descriptor 2, which a notebook never shows.
-
-    A spawned or crashed child prints its traceback there and nowhere else.
-    Yields an object whose ``text()`` returns it once the block is over; the
-    kernel's stderr is restored then.
-    Introduced in notebooks/03-ddp-fork.ipynb.
-    """
-    captured = _Captured()
-    with tempfile.TemporaryFile() as file:
-        saved = os.dup(2)
-        os.dup2(file.fileno(), 2)
-        try:
-            yield captured
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            file.seek(0)
-            captured.value = file.read().decode(errors="replace")
 
 
 def prewarm() -> float:
@@ -150,7 +118,7 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, backend: str | No
     if torch.cuda.is_initialized():
         raise CudaInitialized(CUDA_FIX)
     if "fork" not in mp.get_all_start_methods():
-        raise LaunchError("this OS cannot fork (Windows): run the scripts/ versions with torchrun instead")
+        raise LaunchError("this OS cannot fork (Windows): run the training function from a script with torchrun instead")
     prewarm()
     port = free_port()
     if not quiet:
@@ -184,22 +152,6 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, backend: str | No
             events.cancel_join_thread()
             for f in stack_files:
                 f.close()
-
-
-@contextlib.contextmanager
-def _interrupts_deferred():
-    """Hold SIGINT until the block ends, then raise KeyboardInterrupt if one came."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if caught:
-        raise KeyboardInterrupt
 
 
 class _Watcher:
@@ -308,38 +260,3 @@ def _timeout_text(stuck, procs, last, stack_files) -> str:
         stack = "\n".join(lines[: end + 1]) or "(no stack: the rank never got going)"
         parts.append(f"--- rank {r}, last report {last.get(r, 'none')} ---\n{stack}")
     return "\n".join(parts)
-
-
-def kill_all(procs) -> None:
-    """SIGKILL each rank's whole process group (its DataLoader workers too) and wait until they are gone.
-
-    Introduced in notebooks/03-ddp-fork.ipynb.
-    """
-    started = [proc for proc in procs if proc.pid is not None]
-    for proc in started:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # each rank leads its own group
-        except (ProcessLookupError, PermissionError):
-            pass
-        if proc.exitcode is None:
-            proc.kill()
-    for proc in started:
-        proc.join(timeout=10)
-    deadline = time.monotonic() + 5
-    while any(_group_alive(proc.pid) for proc in started) and time.monotonic() < deadline:
-        time.sleep(0.01)  # SIGKILL is delivered at once, but dying takes a few milliseconds
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether any process of group ``pgid`` still runs (zombies hold nothing and count as gone)."""
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    for proc in psutil.process_iter():
-        try:
-            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
-                return True
-        except (ProcessLookupError, psutil.Error):
-            continue
-    return False

@@ -19,6 +19,8 @@ AMP_DTYPES = {None: None, "off": None, "bf16": torch.bfloat16, "fp16": torch.flo
 
 @dataclass(frozen=True)
 class Stats:
+    """One pass's mean loss, accuracy, sample count and seconds (device synchronised)."""
+
     loss: float
     accuracy: float
     samples: int

@@ -11,7 +11,8 @@ import torch  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
 
 from helpers import ddp, devices, plots  # noqa: E402
-from helpers.launch import child_stderr, free_port, launch, prewarm, rank_device, report  # noqa: E402
+from helpers.launch import free_port, launch, prewarm, rank_device, report  # noqa: E402
+from helpers.procs import child_stderr  # noqa: E402
 
 
 def toy_set(n=512):
