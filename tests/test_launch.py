@@ -215,3 +215,41 @@ def test_an_interrupt_stops_every_rank_and_the_kernel_carries_on(tmp_path):
     assert "interrupted; stopped all 2 ranks" in out and "caught KeyboardInterrupt" in out
     assert "relaunch: [0, 1]" in out
     assert alive(rank_pids) == []
+
+
+def with_workers(rank, world_size):
+    loader = DataLoader(TensorDataset(torch.arange(16.0)), batch_size=4, num_workers=2)
+    total = sum(batch[0].sum() for batch in loader)
+    dist.all_reduce(total)
+    return total.item()
+
+
+def test_ranks_with_dataloader_workers_finish_cleanly():
+    assert L.launch(with_workers, 2, progress=False, timeout=60) == [240.0, 240.0]
+
+
+KILLED_PARENT_SCRIPT = textwrap.dedent("""
+    import os, sys, time, torch.distributed as dist
+    from helpers.launch import launch
+    def forever(rank, world_size, pid_dir):
+        open(os.path.join(pid_dir, str(os.getpid())), "w").close()
+        time.sleep(600)
+    launch(forever, 2, sys.argv[1], timeout=600)
+""")
+
+
+def test_ranks_die_with_a_killed_kernel(tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_PARENT_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=ROOT)
+    deadline = time.time() + 60
+    while len([p for p in tmp_path.iterdir() if p.name.isdigit()]) < 2 and time.time() < deadline:
+        time.sleep(0.1)
+    rank_pids = [int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()]
+    assert len(rank_pids) == 2, "ranks never started"
+    proc.kill()  # no clean-up code runs: only the kernel's death signal can stop the ranks
+    proc.wait()
+    deadline = time.time() + 10
+    while alive(rank_pids) and time.time() < deadline:
+        time.sleep(0.05)
+    assert alive(rank_pids) == []
