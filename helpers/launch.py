@@ -136,7 +136,7 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, backend: str | No
                                      stack_files[rank], init, timeout, os.getpid()))
             proc.start()
             procs.append(proc)
-        _supervise(procs, events, watcher, start + timeout, stack_files)
+        _supervise(procs, events, watcher, start, timeout, stack_files)
         return LaunchResult(watcher.results, plan, port, time.perf_counter() - start)
     except LaunchError as e:
         e.port = port
@@ -196,7 +196,7 @@ class _Watcher:
             self.bar.close()
 
 
-def _supervise(procs, events, watcher: _Watcher, deadline: float, stack_files) -> None:
+def _supervise(procs, events, watcher: _Watcher, start: float, timeout: float, stack_files) -> None:
     grace = None  # once something fails, listen a little longer to find the first cause
     while len(watcher.done) < len(procs) or watcher.failures:
         try:
@@ -213,9 +213,9 @@ def _supervise(procs, events, watcher: _Watcher, deadline: float, stack_files) -
             grace = grace or time.perf_counter() + 0.5
             if time.perf_counter() > grace or len(watcher.done) == len(procs):
                 raise RankFailed(_failure_text(watcher.failures))
-        elif time.perf_counter() > deadline:
+        elif time.perf_counter() > start + timeout:
             stuck = [r for r in range(len(procs)) if r not in watcher.done]
-            raise RankTimeout(_timeout_text(stuck, procs, watcher.last, stack_files))
+            raise RankTimeout(_timeout_text(stuck, timeout, procs, watcher.last, stack_files))
 
 
 def _failure_text(failures: dict[int, str]) -> str:
@@ -244,13 +244,14 @@ def _exit_text(code: int) -> str:
     return f"exit code {code}"
 
 
-def _timeout_text(stuck, procs, last, stack_files) -> str:
+def _timeout_text(stuck, timeout, procs, last, stack_files) -> str:
     for r in stuck:
         if procs[r].exitcode is None:
             os.kill(procs[r].pid, signal.SIGUSR1)  # each rank's faulthandler writes its stack
     time.sleep(0.3)
-    parts = [f"ranks {stuck} did not finish in time; all ranks were stopped. A rank waiting in a "
-             "collective (all_reduce, barrier) usually means another rank skipped it or died."]
+    parts = [f"ranks {stuck} did not finish in time (timeout={timeout:g} s); all ranks were stopped. A rank "
+             "waiting in a collective (all_reduce, barrier) usually means another rank skipped it or died; "
+             "if the work is just slow, pass a larger timeout to launch."]
     for r in stuck:
         f = stack_files[r]
         f.seek(0)
