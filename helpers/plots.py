@@ -18,12 +18,12 @@ def plot_history(history: list[dict], title: str = "", ax=None):
         _, ax = plt.subplots(figsize=(6, 3.2))
     epochs = [r["epoch"] for r in history]
     ax.plot(epochs, [r["train_loss"] for r in history], "o-", label="train loss")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("epoch")
     ax.set_ylabel("loss")
     acc = ax.twinx()
     acc.plot(epochs, [r["test_acc"] for r in history], "s--", color="tab:orange", label="test accuracy")
     acc.set_ylabel("test accuracy")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # after twinx, which shares this axis
     ax.set_title(title)
     ax.figure.legend(loc="lower center", ncol=2, fontsize="small")
     ax.figure.tight_layout(rect=(0, 0.08, 1, 1))
