@@ -47,7 +47,10 @@ class CudaInitialized(LaunchError):
 
 
 class LaunchResult(list):
-    """Every rank's return value, indexed by rank, plus what the launch used."""
+    """Every rank's return value, indexed by rank, plus what the launch used.
+
+    Introduced in notebooks/03-ddp-fork.ipynb.
+    """
 
     def __init__(self, values, plan: devices.Plan, port: int, seconds: float):
         super().__init__(values)
