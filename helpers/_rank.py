@@ -104,6 +104,8 @@ def _hint(err: BaseException) -> str:
     text = str(err)
     if "re-initialize CUDA in forked subprocess" in text:
         return "\nFix: restart the kernel and keep every CUDA call inside the launched function."
+    if "driver version is insufficient" in text:
+        return "\nFix: the NVIDIA driver is older than torch's CUDA build; see helpers.devices.driver_check()."
     if "Duplicate GPU" in text:
         return "\nFix: NCCL needs one GPU per rank; use backend='gloo' or fewer ranks."
     if "default process group has not been initialized" in text:

@@ -7,6 +7,7 @@ so a notebook can look at its hardware and still fork training ranks.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -64,31 +65,48 @@ def _nvml_gpus(n: int) -> tuple[list[GPU], dict[tuple[int, int], bool]]:
     peers: dict[tuple[int, int], bool] = {}
     if n == 0:
         return gpus, peers
+    with _nvml() as pynvml:
+        if pynvml is None:
+            return gpus, peers
+        try:
+            _read_nvml(pynvml, n, gpus, peers)
+        except (pynvml.NVMLError, AttributeError):
+            pass  # keep whatever was read; older drivers lack P2P queries
+    return gpus, peers
+
+
+@contextlib.contextmanager
+def _nvml():
+    """pynvml, initialised, or None where there is no NVML library or driver."""
     try:
         import pynvml
     except ImportError:
-        return gpus, peers
+        yield None
+        return
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError:
-        return gpus, peers
+        yield None
+        return
     try:
-        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in _nvml_indices(n)]
-        for i, h in enumerate(handles):
-            name = pynvml.nvmlDeviceGetName(h)
-            name = name.decode() if isinstance(name, bytes) else name
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h).total / 2**30
-            gpus[i] = GPU(i, name, round(mem, 1))
-        for i, a in enumerate(handles):
-            for j, b in enumerate(handles):
-                if i != j:
-                    status = pynvml.nvmlDeviceGetP2PStatus(a, b, pynvml.NVML_P2P_CAPS_INDEX_READ)
-                    peers[(i, j)] = status == pynvml.NVML_P2P_STATUS_OK
-    except (pynvml.NVMLError, AttributeError):
-        pass  # keep whatever was read; older drivers lack P2P queries
+        yield pynvml
     finally:
         pynvml.nvmlShutdown()
-    return gpus, peers
+
+
+def _read_nvml(pynvml, n: int, gpus: list, peers: dict) -> None:
+    """Fill in names, memory and peer access for the first ``n`` visible GPUs."""
+    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in _nvml_indices(n)]
+    for i, h in enumerate(handles):
+        name = pynvml.nvmlDeviceGetName(h)
+        name = name.decode() if isinstance(name, bytes) else name
+        mem = pynvml.nvmlDeviceGetMemoryInfo(h).total / 2**30
+        gpus[i] = GPU(i, name, round(mem, 1))
+    for i, a in enumerate(handles):
+        for j, b in enumerate(handles):
+            if i != j:
+                status = pynvml.nvmlDeviceGetP2PStatus(a, b, pynvml.NVML_P2P_CAPS_INDEX_READ)
+                peers[(i, j)] = status == pynvml.NVML_P2P_STATUS_OK
 
 
 def _nvml_indices(n: int) -> list[int]:
@@ -100,6 +118,43 @@ def _nvml_indices(n: int) -> list[int]:
     if all(v.isdigit() for v in ids):
         return [int(v) for v in ids[:n]]
     return list(range(n))  # UUIDs: keep CUDA's order as the best guess
+
+
+def driver_check(torch_cuda: str | None = None, driver_cuda: str | None = "read") -> str | None:
+    """A warning when this GPU driver is too old for torch's CUDA build, else None.
+
+    The driver's newest CUDA comes from NVML (``driver_cuda`` overrides it, for
+    tests); a torch built for a newer CUDA reports GPUs and then fails on first
+    use, so the notebooks check before training.
+    Introduced in notebooks/00-check-environment.ipynb.
+    """
+    torch_cuda = torch.version.cuda if torch_cuda is None else torch_cuda
+    if driver_cuda == "read":
+        driver_cuda = _nvml_cuda_version()
+    if not torch_cuda or not driver_cuda:
+        return None
+    need, have = _version(torch_cuda), _version(driver_cuda)
+    if have >= need[:2]:
+        return None
+    return (f"this GPU driver supports CUDA up to {driver_cuda}, but torch was built for CUDA {torch_cuda}: "
+            "GPU work will fail. Fix: update the NVIDIA driver, or install a torch build for CUDA "
+            f"{driver_cuda} or older (see pytorch.org's install selector), then restart the kernel.")
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, _, minor = text.partition(".")
+    return int(major), int(minor.split(".")[0] or 0)
+
+
+def _nvml_cuda_version() -> str | None:
+    with _nvml() as nvml:
+        if nvml is None:
+            return None
+        try:
+            v = nvml.nvmlSystemGetCudaDriverVersion()
+        except nvml.NVMLError:
+            return None
+        return f"{v // 1000}.{(v % 1000) // 10}"
 
 
 def shm_gib() -> float | None:

@@ -67,3 +67,57 @@ def test_describe_does_not_initialise_cuda():
     assert machine.cpu_cores >= 1
     assert machine.n_gpus == devices.gpu_count()
     assert not torch.cuda.is_initialized()
+
+
+def test_driver_check_warns_only_when_the_driver_is_older_than_the_build():
+    assert devices.driver_check("13.0", "13.0") is None
+    assert devices.driver_check("12.4", "12.6") is None
+    assert devices.driver_check("13.0", None) is None, "no driver: nothing to compare"
+    assert devices.driver_check("", "12.0") is None, "CPU-only torch build"
+    warning = devices.driver_check("13.0", "12.4")
+    assert "CUDA up to 12.4" in warning and "built for CUDA 13.0" in warning and "Fix:" in warning
+
+
+class FakeNVML:
+    """Stands in for pynvml: three GPUs in the box, peer access only between 0 and 2."""
+
+    class NVMLError(Exception):
+        pass
+
+    NVML_P2P_CAPS_INDEX_READ, NVML_P2P_STATUS_OK = 0, 0
+
+    def __init__(self):
+        self.open = 0
+
+    def nvmlInit(self):
+        self.open += 1
+
+    def nvmlShutdown(self):
+        self.open -= 1
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetName(self, h):
+        return f"Fake GPU {h}".encode()
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return type("Mem", (), {"total": (h + 1) * 2**30})()
+
+    def nvmlDeviceGetP2PStatus(self, a, b, cap):
+        return 0 if {a, b} == {0, 2} else 1
+
+    def nvmlSystemGetCudaDriverVersion(self):
+        return 12040
+
+
+def test_describe_reads_names_memory_and_peers_through_nvml(monkeypatch):
+    fake = FakeNVML()
+    monkeypatch.setitem(__import__("sys").modules, "pynvml", fake)
+    monkeypatch.setattr(devices, "gpu_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")  # CUDA's cuda:0 is NVML's GPU 2
+    machine = devices.describe()
+    assert [(g.index, g.name, g.memory_gib) for g in machine.gpus] == [(0, "Fake GPU 2", 3.0), (1, "Fake GPU 0", 1.0)]
+    assert machine.peer_access == {(0, 1): True, (1, 0): True}
+    assert devices.driver_check("13.0").startswith("this GPU driver supports CUDA up to 12.4")
+    assert fake.open == 0, "every nvmlInit is matched by nvmlShutdown"
