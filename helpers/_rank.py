@@ -17,6 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .devices import gpu_count
+
 _QUEUE = None  # set in a launched rank: where report() and prints go
 _RANK = None
 _DEVICE = None
@@ -31,7 +33,7 @@ def rank_device() -> torch.device:
     if _DEVICE is not None:
         return _DEVICE
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available() and local < torch.cuda.device_count():
+    if local < gpu_count():
         return torch.device("cuda", local)
     return torch.device("cpu")
 

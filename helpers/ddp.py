@@ -82,13 +82,3 @@ def one_process_steps(dataset, steps: int, batch_size: int, lr: float, device="c
                             on_step=lambda step, loss: losses.append(loss.item()))
     return {"params": {k: v.detach().cpu() for k, v in model.state_dict().items()}, "losses": losses,
             "samples_per_s": stats.samples_per_s}
-
-
-def max_param_diff(a: dict, b: dict) -> float:
-    """Largest absolute difference between two state dicts' floating-point entries.
-
-    Introduced in notebooks/03-ddp-fork.ipynb.
-    """
-    if a.keys() != b.keys():
-        raise ValueError(f"different parameters: {sorted(a.keys() ^ b.keys())}")
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a if a[k].is_floating_point())

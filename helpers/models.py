@@ -36,3 +36,13 @@ def count_parameters(model: nn.Module) -> int:
     Introduced in notebooks/01-single-gpu.ipynb.
     """
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def max_param_diff(a: dict, b: dict) -> float:
+    """Largest absolute difference between two dicts of tensors (state dicts, gradients).
+
+    Introduced in notebooks/02-data-parallel.ipynb.
+    """
+    if a.keys() != b.keys():
+        raise ValueError(f"different parameters: {sorted(a.keys() ^ b.keys())}")
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a if a[k].is_floating_point())

@@ -32,6 +32,16 @@ def alive(pids):
     return out
 
 
+def wait_for_rank_pids(folder, n):
+    """The pids that n ranks wrote as empty files named after themselves, once all are there."""
+    deadline = time.time() + 60
+    while len([p for p in folder.iterdir() if p.name.isdigit()]) < n and time.time() < deadline:
+        time.sleep(0.1)
+    pids = [int(p.name) for p in folder.iterdir() if p.name.isdigit()]
+    assert len(pids) == n, "ranks never started"
+    return pids
+
+
 def assert_port_free(port):
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -204,11 +214,7 @@ def test_an_interrupt_stops_every_rank_and_the_kernel_carries_on(tmp_path):
     script.write_text(INTERRUPT_SCRIPT)
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 60
-    while len([p for p in tmp_path.iterdir() if p.name.isdigit()]) < 2 and time.time() < deadline:
-        time.sleep(0.1)
-    rank_pids = [int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()]
-    assert len(rank_pids) == 2, "ranks never started"
+    rank_pids = wait_for_rank_pids(tmp_path, 2)
     proc.send_signal(signal.SIGINT)  # what Jupyter's interrupt button does to the kernel
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
@@ -242,11 +248,7 @@ def test_ranks_die_with_a_killed_kernel(tmp_path):
     script = tmp_path / "killed.py"
     script.write_text(KILLED_PARENT_SCRIPT)
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=ROOT)
-    deadline = time.time() + 60
-    while len([p for p in tmp_path.iterdir() if p.name.isdigit()]) < 2 and time.time() < deadline:
-        time.sleep(0.1)
-    rank_pids = [int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()]
-    assert len(rank_pids) == 2, "ranks never started"
+    rank_pids = wait_for_rank_pids(tmp_path, 2)
     proc.kill()  # no clean-up code runs: only the kernel's death signal can stop the ranks
     proc.wait()
     deadline = time.time() + 10

@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import torch  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
 
-from helpers import ddp, devices, plots  # noqa: E402
+from helpers import ddp, devices, models, plots  # noqa: E402
 from helpers.launch import free_port, launch, prewarm, rank_device, report  # noqa: E402
 from helpers.procs import child_stderr  # noqa: E402
 
@@ -45,12 +45,12 @@ def test_ddp_steps_match_one_process_with_the_big_batch():
     data = toy_set()
     out = launch(ddp.ddp_steps, 2, data, 3, 16, 0.1, quiet=True, progress=False)
     ref = ddp.one_process_steps(data, 3, 32, 0.1)
-    assert ddp.max_param_diff(out[0]["params"], ref["params"]) < 1e-5
-    assert ddp.max_param_diff(out[0]["params"], out[1]["params"]) == 0.0
+    assert models.max_param_diff(out[0]["params"], ref["params"]) < 1e-5
+    assert models.max_param_diff(out[0]["params"], out[1]["params"]) == 0.0
     assert not set(out[0]["indices"]) & set(out[1]["indices"])
     with_bn = launch(functools.partial(ddp.ddp_steps, batch_norm=True), 2, data, 3, 16, 0.1,
                      quiet=True, progress=False)
-    assert ddp.max_param_diff(with_bn[0]["params"], ddp.one_process_steps(data, 3, 32, 0.1,
+    assert models.max_param_diff(with_bn[0]["params"], ddp.one_process_steps(data, 3, 32, 0.1,
                                                                           batch_norm=True)["params"]) > 1e-4
 
 
