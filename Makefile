@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: lab test unit notebooks bench clean-outputs clean
+.PHONY: lab test unit notebooks browser bench clean-outputs clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ test: $(STAMP)
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/
+
+# JupyterLab in headless chromium: Run All in every notebook, then the panels clicked (also part of `make test`).
+browser: $(STAMP)
+	$(PY) -m pytest -s tests/test_browser.py
 
 notebooks: $(STAMP)
 	SMOKE_TEST=1 $(PY) -m pytest --nbmake --nbmake-timeout=600 notebooks/

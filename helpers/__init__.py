@@ -17,3 +17,14 @@ def smoke_test() -> bool:
     Introduced in notebooks/00-check-environment.ipynb.
     """
     return os.environ.get("SMOKE_TEST", "0").strip().lower() in {"1", "true", "yes"}
+
+
+class Stopped(Exception):
+    """A run was stopped on request (a panel's Stop button); ``partial`` holds what was done so far.
+
+    Introduced in notebooks/01-single-gpu.ipynb.
+    """
+
+    def __init__(self, message: str = "stopped on request", partial=None):
+        super().__init__(message)
+        self.partial = partial

@@ -106,6 +106,10 @@ def _hint(err: BaseException) -> str:
     text = str(err)
     if "re-initialize CUDA in forked subprocess" in text:
         return "\nFix: restart the kernel and keep every CUDA call inside the launched function."
+    if "CUDA error: initialization error" in text:
+        return ("\nFix: the notebook's process probably ran a backward pass (autograd) before forking, which "
+                "leaves forked children unable to start CUDA. Restart the kernel and run all training inside "
+                "the launched function (launch(fn, 1) for one process).")
     if "driver version is insufficient" in text:
         return "\nFix: the NVIDIA driver is older than torch's CUDA build; see helpers.devices.driver_check()."
     if "Duplicate GPU" in text:
@@ -133,8 +137,10 @@ def child_main(fn, rank, world_size, args, plan, port, queue, stack_file, init, 
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if init:
+            # NCCL wants to know its device up front (else barrier() warns and guesses)
+            bound = {"device_id": device} if plan.backend == "nccl" else {}
             dist.init_process_group(plan.backend, rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=timeout))
+                                    timeout=timedelta(seconds=timeout), **bound)
         result = fn(rank, world_size, *args)
         if dist.is_initialized():  # fn may have torn the group down itself, as scripts do
             dist.barrier()

@@ -29,6 +29,36 @@ def time_it(fn, *, device="cpu", warmup: int = 1, repeats: int = 5) -> dict:
     return {"median": statistics.median(times), "min": min(times), "all": times}
 
 
+def alternating(names: list, rounds: int):
+    """``names`` once per round, in reversed order every other round: the order honest comparisons run in.
+
+    Introduced in notebooks/02-data-parallel.ipynb.
+    """
+    for r in range(rounds):
+        yield from (names if r % 2 == 0 else names[::-1])
+
+
+def compare(fns: dict, *, device="cpu", warmup: int = 1, rounds: int = 5) -> dict:
+    """Time several ``fn()`` alternately: each round runs all of them, in reversed order every other round.
+
+    Alternating keeps a drifting machine (turbo, caches, a neighbour's job)
+    from always favouring whichever runs first. Returns, per name, the median,
+    min, max and all seconds, one per round.
+    Introduced in notebooks/02-data-parallel.ipynb.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    times = {name: [] for name in names}
+    for name in alternating(names, rounds):
+        times[name].append(time_it(fns[name], device=device, warmup=0, repeats=1)["median"])
+    return {name: {"median": statistics.median(ts), "min": min(ts), "max": max(ts), "all": ts}
+            for name, ts in times.items()}
+
+
 def ratio(a: float, b: float) -> float:
     """a / b, guarded: the factor by which ``a`` beats ``b`` for rates.
 

@@ -10,12 +10,16 @@ whole split on the device and hands out shuffled index batches.
 from __future__ import annotations
 
 import gzip
+import math
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
+
+from .checks import positive_int
 
 DATA_ENV = "MULTIGPU_DATA"
 PROJECT_DATA = Path(__file__).resolve().parent.parent / "data"
@@ -28,6 +32,10 @@ SMOKE_SIZES = {"train": 2048, "test": 1024}
 
 class DatasetNotFound(FileNotFoundError):
     """Raised when no place holds the dataset and downloading failed too."""
+
+
+class CorruptFile(ValueError):
+    """A file ``helpers`` reads is damaged or is not what its name says; the message names it and the fix."""
 
 
 def _idx_name(split: str, what: str) -> str:
@@ -103,15 +111,27 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     """
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        data = f.read()
+    fix = "Fix: delete it (and its siblings) and let helpers.data download a fresh copy, or copy it again."
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:  # bad header, cut short, damaged stream
+        raise CorruptFile(f"{path} is not a readable gzip file ({type(e).__name__}: {e}). {fix}") from e
+    except IsADirectoryError as e:
+        raise CorruptFile(f"{path} is a folder, not an IDX file") from e
+    if not data:
+        raise CorruptFile(f"{path} is empty. {fix}")
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
-        raise ValueError(f"{path} is not an unsigned-byte IDX file (magic {data[:4].hex()})")
+        raise CorruptFile(f"{path} is not an unsigned-byte IDX file (magic {data[:4].hex()}, expected "
+                          f"000008xx). {fix}")
     ndim = data[3]
+    if len(data) < 4 + 4 * ndim:
+        raise CorruptFile(f"{path} ends inside its IDX header ({len(data)} bytes). {fix}")
     shape = tuple(int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
     body = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
-    if body.size != int(np.prod(shape)):
-        raise ValueError(f"{path}: header says {shape}, body has {body.size} bytes")
+    if body.size != math.prod(shape):
+        raise CorruptFile(f"{path}: IDX header says {shape} ({math.prod(shape)} bytes), body has {body.size} "
+                          f"bytes: the file is cut short or padded. {fix}")
     return body.reshape(shape)
 
 
@@ -130,10 +150,24 @@ def load_split(
     """
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    if limit is not None:
+        positive_int("limit", limit)
     folder = find_dataset(name, root)
     images, labels = _read(folder, split, "images"), _read(folder, split, "labels")
+    if images.ndim != 3 or labels.ndim != 1:
+        raise CorruptFile(f"{folder}: the {split} files hold arrays of shape {images.shape} (images) and "
+                          f"{labels.shape} (labels); expected (N, H, W) and (N,): are two files swapped?")
     if len(images) != len(labels):
-        raise ValueError(f"{folder}: {len(images)} {split} images but {len(labels)} labels")
+        raise CorruptFile(f"{folder}: {len(images)} {split} images but {len(labels)} labels")
+    if images.shape[1:] != (28, 28):
+        raise CorruptFile(f"{folder}: the {split} images are {images.shape[1]}x{images.shape[2]} pixels; MNIST and "
+                          "Fashion-MNIST are 28x28, which the course's models expect. Is this another data set?")
+    if labels.size and labels.max() >= 10:
+        bad = int((labels >= 10).sum())
+        # caught here: on a GPU an out-of-range label fails inside the loss kernel ("device-side assert"), which
+        # leaves that process's CUDA context unusable until it restarts
+        raise CorruptFile(f"{folder}: {bad} {split} label(s) outside 0-9 (largest {int(labels.max())}): the labels "
+                          "file is damaged or belongs to another data set")
     if limit is not None:
         images, labels = images[:limit], labels[:limit]
     mean, std = NORMALIZE[name]
@@ -151,15 +185,24 @@ def get_datasets(name: str = "fashion", root=None, smoke: bool = False) -> tuple
 
 
 def make_loader(dataset, batch_size: int = 100, shuffle: bool = True, num_workers: int = 0,
-                pin_memory: bool = False, sampler=None, seed: int = 0) -> DataLoader:
+                pin_memory: bool = False, sampler=None, seed: int = 0, *, persistent_workers: bool | None = None,
+                prefetch_factor: int | None = None) -> DataLoader:
     """A standard DataLoader, seeded so that runs repeat.
 
+    ``persistent_workers`` defaults to keeping workers between epochs when
+    there are any; it and ``prefetch_factor`` are ignored without workers
+    (DataLoader refuses them then).
     Introduced in notebooks/01-single-gpu.ipynb.
     """
+    positive_int("batch_size", batch_size)
+    positive_int("num_workers", num_workers, minimum=0)
+    extra = {}
+    if num_workers > 0:
+        extra = {"persistent_workers": True if persistent_workers is None else persistent_workers,
+                 "prefetch_factor": prefetch_factor or 2}
     gen = torch.Generator().manual_seed(seed)
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle if sampler is None else False,
-                      sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
-                      generator=gen, persistent_workers=num_workers > 0)
+                      sampler=sampler, num_workers=num_workers, pin_memory=pin_memory, generator=gen, **extra)
 
 
 class DeviceLoader:
@@ -173,9 +216,8 @@ class DeviceLoader:
 
     def __init__(self, dataset_or_tensors, batch_size: int, device="cpu", shuffle: bool = True,
                  drop_last: bool = False, seed: int = 0):
+        positive_int("batch_size", batch_size)
         x, y = dataset_or_tensors.tensors if isinstance(dataset_or_tensors, TensorDataset) else dataset_or_tensors
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.device = torch.device(device)
         self.x, self.y = x.to(self.device), y.to(self.device)
         self.batch_size, self.shuffle, self.drop_last, self.seed = batch_size, shuffle, drop_last, seed

@@ -13,10 +13,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
+import contextlib
+
 from ._rank import rank_device, report
+from .checks import positive_int, positive_number
 from .data import DeviceLoader
 from .models import ConvNet
-from .train import train_one_epoch
+from .train import full_fp32, train_one_epoch
 
 
 def shard_sampler(dataset, rank: int, world_size: int, seed: int = 0) -> DistributedSampler:
@@ -27,23 +30,38 @@ def shard_sampler(dataset, rank: int, world_size: int, seed: int = 0) -> Distrib
     return DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
 
 
-def _check_steps(n: int, world_size: int, batch_size: int, steps: int) -> None:
+def _check_steps(n: int, world_size: int, batch_size: int, steps: int, lr: float) -> None:
+    positive_int("steps", steps)
+    positive_int("batch_size", batch_size)
+    positive_number("lr", lr)
     if steps > n // (world_size * batch_size):
         raise ValueError(f"{steps} steps of {world_size}x{batch_size} need more than one epoch of {n} samples; "
                          "use fewer steps or a smaller batch")
 
 
+def _precision(tf32: bool):
+    """Full float32 unless TF32 is asked for (it only changes anything on Ampere and later GPUs)."""
+    return contextlib.nullcontext() if tf32 else full_fp32()
+
+
 def ddp_steps(rank: int, world_size: int, dataset, steps: int, batch_size: int, lr: float, *,
-              batch_norm: bool = False, seed: int = 0, warmup: int = 0) -> dict:
+              batch_norm: bool = False, seed: int = 0, warmup: int = 0, tf32: bool = False) -> dict:
     """Train a DDP ConvNet for ``steps`` steps of ``batch_size`` per rank, from seed ``seed``.
 
     Returns the final parameters, the per-step losses, the sample indices this
     rank trained on, and samples/s over the steps after ``warmup`` untimed ones.
-    Reports step/total/loss to the notebook after each timed step.
+    Reports step/total/loss to the notebook after each timed step. Runs in
+    full float32 (TF32 off) unless ``tf32``, so that it can be compared with
+    the one-process reference to float32 precision on any GPU.
     Introduced in notebooks/03-ddp-fork.ipynb.
     """
     assert dist.get_world_size() == world_size and dist.get_rank() == rank
-    _check_steps(len(dataset), world_size, batch_size, steps)
+    _check_steps(len(dataset), world_size, batch_size, steps, lr)
+    with _precision(tf32):
+        return _train_ddp(rank, world_size, dataset, steps, batch_size, lr, batch_norm, seed, warmup)
+
+
+def _train_ddp(rank, world_size, dataset, steps, batch_size, lr, batch_norm, seed, warmup) -> dict:
     device = rank_device()
     torch.manual_seed(seed)  # every rank builds the same model; DDP also broadcasts rank 0's weights
     model = ConvNet(batch_norm=batch_norm).to(device)
@@ -65,14 +83,33 @@ def ddp_steps(rank: int, world_size: int, dataset, steps: int, batch_size: int, 
 
 
 def one_process_steps(dataset, steps: int, batch_size: int, lr: float, device="cpu", *,
-                      batch_norm: bool = False, seed: int = 0) -> dict:
+                      batch_norm: bool = False, seed: int = 0, tf32: bool = False) -> dict:
     """The reference: one process, batch ``batch_size``, the same seeded shuffle as ``ddp_steps``.
 
     With batch W·b, its step k sees exactly the union of the W ranks' step-k
-    batches (DistributedSampler deals the shuffle out round-robin).
+    batches (DistributedSampler deals the shuffle out round-robin). Full
+    float32 unless ``tf32``. In a notebook that forks GPU ranks, run it inside
+    a launched child (``reference_rank``): a backward pass in the notebook's
+    own process leaves later forks unable to start CUDA.
     Introduced in notebooks/03-ddp-fork.ipynb.
     """
-    _check_steps(len(dataset), 1, batch_size, steps)
+    _check_steps(len(dataset), 1, batch_size, steps, lr)
+    with _precision(tf32):
+        return _train_one(dataset, steps, batch_size, lr, device, batch_norm, seed)
+
+
+def reference_rank(rank: int, world_size: int, dataset, steps: int, batch_size: int, lr: float, **kw) -> dict:
+    """``one_process_steps`` as a launched rank: ``launch(reference_rank, 1, ...)`` keeps the notebook fork-safe.
+
+    It runs on the device the plan gives one rank (the first GPU, or the CPU).
+    Introduced in notebooks/03-ddp-fork.ipynb.
+    """
+    if world_size != 1:
+        raise ValueError(f"the reference is one process: launch it with world_size=1, not {world_size}")
+    return one_process_steps(dataset, steps, batch_size, lr, rank_device(), **kw)
+
+
+def _train_one(dataset, steps, batch_size, lr, device, batch_norm, seed) -> dict:
     torch.manual_seed(seed)
     model = ConvNet(batch_norm=batch_norm).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .checks import positive_int
+
 
 @dataclass(frozen=True)
 class GPU:
@@ -189,8 +191,7 @@ def pick_device(index: int = 0) -> torch.device:
 
     Introduced in notebooks/01-single-gpu.ipynb.
     """
-    if index < 0:
-        raise ValueError(f"GPU index must be >= 0, got {index}")
+    positive_int("GPU index", index, minimum=0)
     n = gpu_count()
     if index < n:
         return torch.device("cuda", index)
@@ -228,17 +229,21 @@ def plan(world_size: int, n_gpus: int | None = None, backend: str | None = None)
         raise ValueError(f"world_size must be an int, got {world_size!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    n = gpu_count() if n_gpus is None else n_gpus
-    if n < 0:
-        raise ValueError(f"n_gpus must be >= 0, got {n}")
+    n = gpu_count() if n_gpus is None else positive_int("n_gpus", n_gpus, minimum=0)
     if backend not in (None, "gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {backend!r}")
 
     if n == 0:
         devices = tuple(torch.device("cpu") for _ in range(world_size))
         kind = "cpu"
-        what = (f"{world_size} rank{'s' if world_size > 1 else ''} on CPU (gloo): "
-                "the mechanics are real, the speed-up is CPU cores', not GPUs'")
+        cores = cpu_cores()
+        if world_size == 1:
+            what = "1 rank on CPU (gloo): one process, the baseline the others are measured against"
+        else:
+            what = (f"{world_size} ranks on CPU (gloo): the mechanics are real, the speed-up is CPU cores', "
+                    "not GPUs'")
+        if world_size > cores:
+            what += f"; {world_size} ranks on {cores} cores take turns, so expect no more than {cores} ranks' speed"
     else:
         devices = tuple(torch.device("cuda", r % n) for r in range(world_size))
         if world_size <= n:

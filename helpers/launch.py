@@ -12,20 +12,20 @@ kernel can launch again.
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
-import pickle
 import queue as queue_lib
-import signal
 import socket
 import tempfile
 import time
 
 import torch
 
-from . import devices
-from .procs import _interrupts_deferred, kill_all
+from . import Stopped, devices
 from ._rank import child_main, rank_device, report  # noqa: F401  (rank_device, report: this module's API)
+from ._watch import Watcher, drain, exit_text, failure_text, timeout_text
+from .procs import _interrupts_deferred, cuda_canary, kill_all
 
 
 class LaunchError(RuntimeError):
@@ -44,6 +44,10 @@ class RankTimeout(LaunchError, TimeoutError):
 
 class CudaInitialized(LaunchError):
     """CUDA was initialised in the notebook before forking, which forked ranks cannot survive."""
+
+
+class CudaPoisoned(CudaInitialized):
+    """A forked child cannot start CUDA, though CUDA looks uninitialised here (a backward pass ran)."""
 
 
 class LaunchResult(list):
@@ -90,8 +94,45 @@ CUDA_FIX = (
 )
 
 
+POISON_FIX = (
+    "A forked child could not start CUDA ({error}), although CUDA is not initialised in this notebook. "
+    "The usual cause: this kernel ran a backward pass (autograd) before forking, even on the CPU; the autograd "
+    "engine then asks the CUDA driver about the GPUs, and a child forked after that cannot initialise CUDA. "
+    "Fix: restart the kernel, and run all training (references and baselines too) inside the function you "
+    "launch; for one process use launch(fn, 1)."
+)
+
+
+def rank_limit() -> int:
+    """The largest world size ``launch`` accepts without ``max_world_size``: max(8, 4 per core, the GPUs).
+
+    Each rank is a whole process with its own copy of the model (and, on a GPU,
+    its own CUDA context of several hundred MB); more than four ranks a core
+    only take turns, so a larger number is almost always a typo.
+    Introduced in notebooks/03-ddp-fork.ipynb.
+    """
+    return max(8, 4 * devices.cpu_cores(), devices.gpu_count())
+
+
+def _check_arguments(fn, world_size, timeout, max_world_size) -> None:
+    """Refuse bad arguments before anything is opened or forked."""
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {fn!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds (e.g. timeout=60), got {timeout!r}")
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout}")
+    limit = rank_limit() if max_world_size is None else max_world_size
+    if isinstance(world_size, int) and not isinstance(world_size, bool) and world_size > limit:
+        raise ValueError(
+            f"world_size={world_size} is more ranks than this machine can sensibly run ({limit}: max(8, 4 per "
+            f"CPU core, one per GPU) with {devices.cpu_cores()} cores and {devices.gpu_count()} GPUs). If you "
+            f"mean it, pass max_world_size={world_size}.")
+
+
 def launch(fn, world_size: int, *args, timeout: float = 300.0, backend: str | None = None,
-           init: bool = True, on_event=None, progress: bool = True, quiet: bool = False) -> LaunchResult:
+           init: bool = True, on_event=None, progress: bool = True, quiet: bool = False,
+           stop=None, max_world_size: int | None = None) -> LaunchResult:
     """Fork ``world_size`` ranks running ``fn(rank, world_size, *args)``; return their results.
 
     Each rank gets the device ``helpers.devices.plan`` gives it (with
@@ -108,20 +149,26 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, backend: str | No
     Failures raise in the cell after every rank is killed: ``RankFailed``
     (a rank raised or died; its traceback is shown), ``RankTimeout`` (not
     done after ``timeout`` seconds; each stuck rank's stack is shown),
-    ``CudaInitialized`` (refused before forking), or ``KeyboardInterrupt``.
+    ``CudaInitialized`` (refused before forking; ``CudaPoisoned`` when a
+    forked canary cannot start CUDA, the trace of a backward pass in this
+    process), ``helpers.Stopped`` (the ``stop`` event was set: a panel's Stop
+    button) or ``KeyboardInterrupt``. World sizes above ``rank_limit()`` are
+    refused unless ``max_world_size`` allows them.
     ``on_event(rank, metrics)`` receives each ``report(...)`` in the parent;
     ``progress`` draws a tqdm bar from rank 0's ``step``/``total`` reports.
     Introduced in notebooks/03-ddp-fork.ipynb.
     """
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {fn!r}")
-    if not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+    _check_arguments(fn, world_size, timeout, max_world_size)
     plan = devices.plan(world_size, backend=backend)
     if torch.cuda.is_initialized():
         raise CudaInitialized(CUDA_FIX)
     if "fork" not in mp.get_all_start_methods():
         raise LaunchError("this OS cannot fork (Windows): run the training function from a script with torchrun instead")
+    gpu = next((d for d in plan.devices if d.type == "cuda"), None)
+    if gpu is not None:
+        error = cuda_canary(gpu)  # ~0.4 s on an H100: cheap next to ranks that would all fail
+        if error is not None:
+            raise CudaPoisoned(POISON_FIX.format(error=error))
     prewarm()
     port = free_port()
     if not quiet:
@@ -130,7 +177,7 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, backend: str | No
     events = ctx.Queue()
     stack_files = [tempfile.TemporaryFile() for _ in range(world_size)]
     procs: list = []
-    watcher = _Watcher(world_size, on_event, progress)
+    watcher = Watcher(world_size, on_event, progress)
     start = time.perf_counter()
     try:
         for rank in range(world_size):
@@ -139,13 +186,17 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, backend: str | No
                                      stack_files[rank], init, timeout, os.getpid()))
             proc.start()
             procs.append(proc)
-        _supervise(procs, events, watcher, start, timeout, stack_files)
+        _supervise(procs, events, watcher, start, timeout, stack_files, stop)
         return LaunchResult(watcher.results, plan, port, time.perf_counter() - start)
     except LaunchError as e:
         e.port = port
         raise
     except KeyboardInterrupt:
         print(f"launch: interrupted; stopped all {world_size} ranks")
+        raise
+    except Stopped:
+        if not quiet:
+            print(f"launch: stopped on request; stopped all {world_size} ranks")
         raise
     finally:
         with _interrupts_deferred():  # a second Ctrl-C must not cut the clean-up short
@@ -157,110 +208,26 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, backend: str | No
                 f.close()
 
 
-class _Watcher:
-    """The parent's side of the queue: prints, events, progress, results."""
-
-    def __init__(self, world_size, on_event, progress):
-        self.results = [None] * world_size
-        self.done: set[int] = set()
-        self.failures: dict[int, str] = {}  # rank → what went wrong, in order of arrival
-        self.last: dict[int, dict] = {}
-        self.on_event, self.progress, self.bar = on_event, progress, None
-
-    def handle(self, msg) -> None:
-        kind, rank = msg[0], msg[1]
-        if kind == "print":
-            print(f"[rank {rank}] {msg[2]}")
-        elif kind == "event":
-            self.last[rank] = msg[2]
-            self._draw(rank, msg[2])
-            if self.on_event is not None:
-                self.on_event(rank, msg[2])
-        elif kind == "result":
-            self.results[rank] = pickle.loads(msg[2])
-            self.done.add(rank)
-        elif kind == "error":
-            self.failures[rank] = f"rank {rank} failed: {msg[2]}\n--- traceback from rank {rank} ---\n{msg[3]}"
-            self.done.add(rank)
-
-    def _draw(self, rank, metrics) -> None:
-        if not self.progress or rank != 0 or "total" not in metrics or "step" not in metrics:
-            return
-        if self.bar is None:
-            from tqdm.auto import tqdm
-            self.bar = tqdm(total=int(metrics["total"]), desc="rank 0", unit="step")
-        self.bar.n = int(metrics["step"]) + 1
-        shown = {k: f"{v:.4g}" for k, v in metrics.items() if k not in ("step", "total", "t") and isinstance(v, float)}
-        self.bar.set_postfix(shown, refresh=False)
-        self.bar.refresh()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _supervise(procs, events, watcher: _Watcher, start: float, timeout: float, stack_files) -> None:
+def _supervise(procs, events, watcher: Watcher, start: float, timeout: float, stack_files, stop) -> None:
     grace = None  # once something fails, listen a little longer to find the first cause
     while len(watcher.done) < len(procs) or watcher.failures:
+        if stop is not None and stop.is_set():
+            raise Stopped(f"stopped on request after {time.perf_counter() - start:.1f} s; "
+                          f"all {len(procs)} ranks were stopped", partial=dict(watcher.last))
         try:
             watcher.handle(events.get(timeout=0.05))
         except queue_lib.Empty:
             for r, p in enumerate(procs):
                 if r not in watcher.done and p.exitcode is not None:
-                    _drain(events, watcher, seconds=0.5)  # its last words may still be in the pipe
+                    drain(events, watcher, seconds=0.5)  # its last words may still be in the pipe
                     if r not in watcher.done:
                         watcher.failures = {r: f"rank {r} died without reporting an error: "
-                                               f"{_exit_text(p.exitcode)}", **watcher.failures}
+                                               f"{exit_text(p.exitcode)}", **watcher.failures}
                         watcher.done.add(r)
         if watcher.failures:
             grace = grace or time.perf_counter() + 0.5
             if time.perf_counter() > grace or len(watcher.done) == len(procs):
-                raise RankFailed(_failure_text(watcher.failures))
+                raise RankFailed(failure_text(watcher.failures))
         elif time.perf_counter() > start + timeout:
             stuck = [r for r in range(len(procs)) if r not in watcher.done]
-            raise RankTimeout(_timeout_text(stuck, timeout, procs, watcher.last, stack_files))
-
-
-def _failure_text(failures: dict[int, str]) -> str:
-    """The first cause in full; what followed from it (peers losing their connection) in one line each."""
-    first, *rest = failures.values()
-    if rest:
-        first += "\nThen, probably as a consequence:\n" + "\n".join(
-            "  " + text.split("\n--- traceback", 1)[0][:300] for text in rest)
-    return first
-
-
-def _drain(events, watcher: _Watcher, seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        try:
-            watcher.handle(events.get(timeout=0.05))
-        except queue_lib.Empty:
-            return
-
-
-def _exit_text(code: int) -> str:
-    if code < 0:
-        name = signal.Signals(-code).name
-        why = " (the out-of-memory killer sends this)" if name == "SIGKILL" else ""
-        return f"killed by {name}{why}"
-    return f"exit code {code}"
-
-
-def _timeout_text(stuck, timeout, procs, last, stack_files) -> str:
-    for r in stuck:
-        if procs[r].exitcode is None:
-            os.kill(procs[r].pid, signal.SIGUSR1)  # each rank's faulthandler writes its stack
-    time.sleep(0.3)
-    parts = [f"ranks {stuck} did not finish in time (timeout={timeout:g} s); all ranks were stopped. A rank "
-             "waiting in a collective (all_reduce, barrier) usually means another rank skipped it or died; "
-             "if the work is just slow, pass a larger timeout to launch."]
-    for r in stuck:
-        f = stack_files[r]
-        f.seek(0)
-        lines = f.read().decode(errors="replace").strip().splitlines()
-        # most recent call first; what lies below the rank's entry point is the parent's fork
-        end = next((i for i, line in enumerate(lines) if "_rank.py" in line), len(lines) - 1)
-        stack = "\n".join(lines[: end + 1]) or "(no stack: the rank never got going)"
-        parts.append(f"--- rank {r}, last report {last.get(r, 'none')} ---\n{stack}")
-    return "\n".join(parts)
+            raise RankTimeout(timeout_text(stuck, timeout, procs, watcher.last, stack_files))

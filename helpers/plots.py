@@ -6,22 +6,48 @@ import io
 import time
 
 import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 
+def step_curve(history: list[dict], points_per_epoch: int = 20) -> list[tuple[float, float]]:
+    """Training loss against epochs (fractional) from ``fit``'s per-step losses, averaged into bins.
+
+    Averaging ``points_per_epoch`` bins per epoch makes runs with different batch
+    sizes comparable on one axis and keeps small batches' noise readable.
+    Introduced in notebooks/01-single-gpu.ipynb.
+    """
+    points = []
+    for row in history:
+        losses = row["step_losses"]
+        bins = max(1, min(points_per_epoch, len(losses)))
+        for b in range(bins):
+            chunk = losses[b * len(losses) // bins:(b + 1) * len(losses) // bins]
+            points.append((row["epoch"] - 1 + (b + 1) / bins, sum(chunk) / len(chunk)))
+    return points
+
+
 def plot_history(history: list[dict], title: str = "", ax=None):
-    """Train loss and test accuracy per epoch from ``fit``'s history.
+    """Training loss (per step when ``fit`` recorded it, else per epoch) and test accuracy per epoch.
 
     Introduced in notebooks/01-single-gpu.ipynb.
     """
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3.2))
     epochs = [r["epoch"] for r in history]
-    ax.plot(epochs, [r["train_loss"] for r in history], "o-", label="train loss")
+    if all("step_losses" in r for r in history):  # a one-epoch run is then a curve, not one point
+        xs, ys = zip(*step_curve(history))
+        ax.plot((0, *xs), (history[0]["step_losses"][0], *ys), "-", label="train loss")
+        ax.set_xlim(0, max(epochs))
+    else:
+        ax.plot(epochs, [r["train_loss"] for r in history], "o-", label="train loss")
     ax.set_xlabel("epoch")
     ax.set_ylabel("loss")
     acc = ax.twinx()
-    acc.plot(epochs, [r["test_acc"] for r in history], "s--", color="tab:orange", label="test accuracy")
+    accuracies = [r["test_acc"] for r in history]
+    acc.plot(epochs, accuracies, "s--", color="tab:orange", label="test accuracy")
+    # never matplotlib's ±5 % band around a single point
+    acc.set_ylim(max(0.0, min(accuracies) - 0.1), min(1.0, max(accuracies) + 0.02))
     acc.set_ylabel("test accuracy")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # after twinx, which shares this axis
     ax.set_title(title)
@@ -30,15 +56,18 @@ def plot_history(history: list[dict], title: str = "", ax=None):
     return ax
 
 
-def plot_bars(values: dict[str, float], ylabel: str, title: str = "", ax=None):
-    """One labelled bar per entry, value written on top (throughputs, times).
+def plot_bars(values: dict[str, float], ylabel: str, title: str = "", ax=None, spread=None):
+    """One labelled bar per entry, value written on top (throughputs, times); ``spread`` adds (low, high) whiskers.
 
     Introduced in notebooks/01-single-gpu.ipynb.
     """
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3.2))
     names, heights = list(values), list(values.values())
-    bars = ax.bar(names, heights, color=plt.cm.tab10.colors[: len(names)])
+    yerr = None
+    if spread is not None:  # whiskers from the bar's value down to the low and up to the high
+        yerr = [[h - spread[n][0] for n, h in zip(names, heights)], [spread[n][1] - h for n, h in zip(names, heights)]]
+    bars = ax.bar(names, heights, color=plt.cm.tab10.colors[: len(names)], yerr=yerr, capsize=4 if yerr else 0)
     ax.bar_label(bars, fmt="%.0f")
     ax.margins(y=0.12)  # room for the labels
     ax.set_ylabel(ylabel)
@@ -58,14 +87,27 @@ def plot_curves(curves: dict[str, list[tuple[float, float]]], xlabel: str, ylabe
     for name, points in curves.items():
         if points:
             xs, ys = zip(*points)
-            ax.plot(xs, ys, label=name)
+            ax.plot(xs, ys, marker="o" if len(xs) < 3 else None, label=name)  # a run stopped early still shows
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    if curves:
-        ax.legend(fontsize="small")
     ax.figure.tight_layout()
+    if len(ax.lines) > 3:  # many runs: the legend goes below the axes, where it hides no line (laid out after
+        # tight_layout, so the axes keep their size; figure_png saves the figure with the legend)
+        ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.2), borderaxespad=0)
+    elif ax.lines:
+        ax.legend(fontsize="small")
     return ax
+
+
+def figure_png(fig, dpi: int = 80) -> bytes:
+    """A figure as PNG bytes, for an ``ipywidgets.Image`` (which, unlike display handles, updates in place).
+
+    Introduced in notebooks/03-ddp-fork.ipynb.
+    """
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=dpi, bbox_inches="tight")  # a legend below the axes stays in
+    return png.getvalue()
 
 
 class LivePlot:
@@ -97,15 +139,13 @@ class LivePlot:
         import ipywidgets
         from IPython.display import display
 
-        fig, ax = plt.subplots(figsize=(6, 3.2))
+        ax = Figure(figsize=(6, 3.2)).add_subplot()  # not pyplot: a panel may draw this from its own thread
         plot_curves(dict(sorted(self.points.items())), "step", self.key, self.title, ax=ax)
-        png = io.BytesIO()
-        fig.savefig(png, format="png", dpi=80)
-        plt.close(fig)
+        png = figure_png(ax.figure)
         if self.image is None:
             self.image = ipywidgets.Image(format="png")
             display(self.image)
-        self.image.value = png.getvalue()
+        self.image.value = png
         self.last_draw = time.monotonic()
 
     def finish(self) -> dict:

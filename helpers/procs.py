@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import signal
 import tempfile
 import threading
@@ -30,6 +31,95 @@ def kill_all(procs) -> None:
     deadline = time.monotonic() + 5
     while any(_group_alive(proc.pid) for proc in started) and time.monotonic() < deadline:
         time.sleep(0.01)  # SIGKILL is delivered at once, but dying takes a few milliseconds
+
+
+class ChildDied(RuntimeError):
+    """A child forked by ``call_in_child`` ended without answering; ``exitcode`` says how."""
+
+    def __init__(self, exitcode):
+        super().__init__(f"the child died without answering (exit code {exitcode})")
+        self.exitcode = exitcode
+
+
+def call_in_child(fn, *args, timeout: float = 60.0, name: str = "child"):
+    """Run ``fn(*args)`` in a forked child and return what it returned (pickled back through a pipe).
+
+    Fork, so a function defined in the notebook works. ``fn`` should catch its
+    own errors and return them: a child that raises, or returns something
+    unpicklable, ends without answering (``ChildDied``); one still busy after
+    ``timeout`` seconds is killed (``TimeoutError``). The child leaves with
+    ``os._exit``, never through a notebook kernel's exit handlers.
+    Introduced in notebooks/03-ddp-fork.ipynb.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_answer, args=(fn, args, writer), name=name)
+    proc.start()
+    writer.close()
+    try:
+        if not reader.poll(timeout):
+            raise TimeoutError(f"{name} did not answer within {timeout:g} s")
+        return pickle.loads(reader.recv_bytes())
+    except EOFError:
+        proc.join(5)
+        raise ChildDied(proc.exitcode) from None
+    finally:
+        reader.close()
+        if proc.exitcode is None:
+            proc.kill()
+        proc.join(10)
+
+
+def _answer(fn, args, conn) -> None:
+    try:
+        conn.send_bytes(pickle.dumps(fn(*args)))
+        conn.close()
+    finally:
+        os._exit(0)  # never run the kernel's exit handlers in a forked child (its ZMQ sockets)
+
+
+def cuda_canary(device, timeout: float = 60.0) -> str | None:
+    """Fork a child that starts CUDA on ``device``: None if it could, else its error, in words.
+
+    A fork after CUDA work in the parent, or after a backward pass there, leaves
+    children unable to start CUDA while the parent still looks clean; this finds
+    out before any rank is forked.
+    Introduced in notebooks/03-ddp-fork.ipynb.
+    """
+    try:
+        return call_in_child(_start_cuda, device, timeout=timeout, name="cuda-canary")
+    except TimeoutError:
+        return f"the canary did not start CUDA within {timeout:g} s"
+    except ChildDied as e:
+        return f"the canary died (exit code {e.exitcode})"
+
+
+def _start_cuda(device) -> str | None:
+    import torch
+
+    try:
+        torch.cuda.set_device(device)
+        torch.empty(1, device=device)
+        return None
+    except BaseException as err:  # every failure is the answer
+        return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+
+
+def alive(pids) -> list[int]:
+    """The pids among ``pids`` that still run (a zombie, dead but not yet reaped, counts as gone).
+
+    Introduced in notebooks/06-data-loading.ipynb.
+    """
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            continue
+    return out
 
 
 def _group_alive(pgid: int) -> bool:

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import Stopped
+from .checks import positive_int
+
 AMP_DTYPES = {None: None, "off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -39,6 +42,27 @@ def sync(device) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def full_fp32():
+    """Run float32 work in true float32: TF32 off for cuDNN convolutions and CUDA matmuls, restored after.
+
+    Ampere and later GPUs may run float32 convolutions in TF32 (10-bit mantissa),
+    which this torch does by default for cuDNN. Two computations compared to
+    float32 precision (DDP against one big batch, say) must both run inside this,
+    or they differ by ~1e-3 on a GPU (measured on an H100). Setting these flags
+    creates no CUDA context, so it is safe in the notebook before forking ranks.
+    Introduced in notebooks/02-data-parallel.ipynb.
+    """
+    # Only the two flags that torch 2.4 to 2.14 all read: mixing them with set_float32_matmul_precision leaves
+    # torch 2.14 in a "mix of legacy and new APIs" state where get_float32_matmul_precision() raises.
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def autocast(device, amp: str | None):
@@ -93,31 +117,46 @@ class _Tally:
         return Stats(self.loss.item() / self.seen, self.correct.item() / self.seen, self.seen, seconds)
 
 
-def train_one_epoch(model, loader, optimizer, device, *, amp=None, scaler=None,
-                    loss_fn=F.cross_entropy, on_step=None, max_steps=None) -> Stats:
+def train_one_epoch(model, loader, optimizer, device, *, amp=None, scaler=None, scheduler=None,
+                    loss_fn=F.cross_entropy, on_step=None, max_steps=None, stop=None) -> Stats:
     """Train one pass over ``loader``; returns mean loss, accuracy, samples, seconds.
 
     ``on_step(step, loss_tensor)`` is called after every step (it may call
     ``.item()``; the loop itself never does). ``max_steps`` stops early.
+    ``scheduler`` (an LR scheduler) steps after every optimizer step.
+    ``stop`` (a ``threading.Event``) is checked before each step; once set,
+    ``helpers.Stopped`` is raised with the pass so far as ``partial``.
     Introduced in notebooks/01-single-gpu.ipynb.
     """
     device = torch.device(device)
     model.train()
     tally = _Tally(device)
+    # with fp16's GradScaler a step may be skipped, and then the schedule must not advance: the scale it lowers
+    # tells; read once here and after each update (a sync at the end of the step, not in its middle)
+    scale = scaler.get_scale() if scaler is not None and scheduler is not None else None
     for step, (x, y) in enumerate(_batches(loader, device)):
         if max_steps is not None and step >= max_steps:
             break
+        if stop is not None and stop.is_set():
+            raise Stopped(f"stopped on request after {step} steps of this pass",
+                          partial=tally.stats() if tally.seen else None)
         with autocast(device, amp):
             out = model(x)
             loss = loss_fn(out, y)
         optimizer.zero_grad(set_to_none=True)
+        stepped = True
         if scaler is not None:
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
+            if scale is not None:  # GradScaler skipped the step (overflow) iff it lowered its scale
+                now = scaler.get_scale()
+                stepped, scale = now >= scale, now
         else:
             loss.backward()
             optimizer.step()
+        if scheduler is not None and stepped:
+            scheduler.step()
         tally.add(loss.detach() * y.shape[0], out, y)
         if on_step is not None:
             on_step(step, loss)
@@ -148,31 +187,45 @@ def _set_epoch(loader, epoch: int) -> None:
             obj.set_epoch(epoch)
 
 
-def fit(model, train_loader, test_loader, optimizer, device, epochs: int, *, amp=None,
-        progress: bool = True, on_epoch=None) -> list[dict]:
+def fit(model, train_loader, test_loader, optimizer, device, epochs: int, *, amp=None, scheduler=None,
+        progress: bool = True, on_epoch=None, stop=None) -> list[dict]:
     """Train for ``epochs`` with a tqdm bar; returns one dict of figures per epoch.
 
     Each dict holds epoch, train_loss, train_acc, test_loss, test_acc,
-    samples_per_s (training), seconds (training) and elapsed (wall time since
-    the start, evaluation included). ``on_epoch(row)`` sees each dict as it
-    is made (a live plot, say).
+    samples_per_s (training), seconds (training), elapsed (wall time since
+    the start, evaluation included) and step_losses (each step's training loss,
+    read once per epoch so no step waits for the GPU). ``on_epoch(row)`` sees each dict as it
+    is made (a live plot, say). ``scheduler`` steps after every optimizer
+    step. ``stop`` (a ``threading.Event``) ends training between steps by
+    raising ``helpers.Stopped``, whose ``partial`` is the rows done so far.
     Introduced in notebooks/01-single-gpu.ipynb.
     """
     from tqdm.auto import tqdm
 
+    positive_int("epochs", epochs)
     scaler = make_scaler(device, amp)
     history = []
     start = time.perf_counter()
     with tqdm(total=epochs * len(train_loader), disable=not progress, desc="train", unit="step") as bar:
         for epoch in range(epochs):
             _set_epoch(train_loader, epoch)
-            train = train_one_epoch(model, train_loader, optimizer, device, amp=amp, scaler=scaler,
-                                    on_step=lambda step, loss: bar.update(1))
+            losses = []
+
+            def on_step(step, loss):
+                losses.append(loss.detach())  # kept on the device; one read after the epoch
+                bar.update(1)
+
+            try:
+                train = train_one_epoch(model, train_loader, optimizer, device, amp=amp, scaler=scaler,
+                                        scheduler=scheduler, on_step=on_step, stop=stop)
+            except Stopped as e:
+                raise Stopped(f"stopped on request in epoch {epoch + 1} of {epochs}", partial=history) from e
             test = evaluate(model, test_loader, device, amp=amp)
             row = dict(epoch=epoch + 1, train_loss=train.loss, train_acc=train.accuracy,
                        test_loss=test.loss, test_acc=test.accuracy,
                        samples_per_s=train.samples_per_s, seconds=train.seconds,
-                       elapsed=time.perf_counter() - start)
+                       elapsed=time.perf_counter() - start,
+                       step_losses=torch.stack(losses).float().tolist())
             history.append(row)
             bar.set_postfix(loss=f"{train.loss:.3f}", test_acc=f"{test.accuracy:.3f}")
             if on_epoch is not None:

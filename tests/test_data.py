@@ -122,3 +122,92 @@ def test_make_loader_is_seeded():
     ds = torch.utils.data.TensorDataset(torch.arange(20).float(), torch.arange(20))
     order = [torch.cat([y for _, y in data.make_loader(ds, 5, seed=3)]) for _ in range(2)]
     assert torch.equal(*order)
+
+
+def corrupt_variants(tmp_path):
+    """Every way an IDX file turned up damaged: name → file."""
+    good = bytes([0, 0, 8, 1]) + (6).to_bytes(4, "big") + b"abcdef"
+    gz = gzip.compress(good)
+    files = {
+        "bad gzip": (tmp_path / "a-idx1-ubyte.gz", b"PK\x03\x04 not gzip at all"),
+        "wrong gzip method": (tmp_path / "b-idx1-ubyte.gz", gz[:2] + b"\x07" + gz[3:]),
+        "truncated gzip": (tmp_path / "c-idx1-ubyte.gz", gz[: len(gz) // 2]),
+        "damaged gzip body": (tmp_path / "d-idx1-ubyte.gz", gz[:12] + bytes(len(gz) - 20) + gz[-8:]),
+        "empty": (tmp_path / "e-idx1-ubyte", b""),
+        "empty gz": (tmp_path / "f-idx1-ubyte.gz", gzip.compress(b"")),
+        "wrong magic": (tmp_path / "g-idx1-ubyte", b"\x89PNG\r\n\x1a\n" + good),
+        "cut in the header": (tmp_path / "h-idx3-ubyte", bytes([0, 0, 8, 3]) + (6).to_bytes(4, "big")),
+        "cut in the body": (tmp_path / "i-idx1-ubyte", good[:-2]),
+    }
+    for path, content in files.values():
+        path.write_bytes(content)
+    return {name: path for name, (path, _) in files.items()}
+
+
+def test_every_corruption_names_the_file_and_the_fix(tmp_path):
+    for what, path in corrupt_variants(tmp_path).items():
+        with pytest.raises(data.CorruptFile) as info:
+            data.read_idx(path)
+        assert str(path) in str(info.value), what
+        assert "Fix" in str(info.value), what
+    with pytest.raises(data.CorruptFile, match="is a folder"):
+        data.read_idx(tmp_path)
+
+
+def test_swapped_or_mismatched_files_are_named(tmp_path):
+    images = np.zeros((4, 28, 28), dtype=np.uint8)
+    labels = np.zeros(4, dtype=np.uint8)
+    for split in ("train", "t10k"):
+        write_idx(tmp_path / f"{split}-images-idx3-ubyte", labels, compress=False)  # swapped
+        write_idx(tmp_path / f"{split}-labels-idx1-ubyte", labels, compress=False)
+    with pytest.raises(data.CorruptFile, match="swapped"):
+        data.load_split("fashion", "train", root=tmp_path)
+    write_idx(tmp_path / "train-images-idx3-ubyte", images[:3], compress=False)
+    write_idx(tmp_path / "train-labels-idx1-ubyte", labels, compress=False)
+    with pytest.raises(data.CorruptFile, match="3 train images but 4 labels"):
+        data.load_split("fashion", "train", root=tmp_path)
+
+
+def test_wrong_image_size_and_labels_out_of_range_are_refused(tmp_path):
+    for split in ("train", "t10k"):
+        write_idx(tmp_path / f"{split}-images-idx3-ubyte", np.zeros((4, 32, 32)), compress=False)
+        write_idx(tmp_path / f"{split}-labels-idx1-ubyte", np.array([0, 1, 2, 3]), compress=False)
+    with pytest.raises(data.CorruptFile, match="32x32 pixels"):
+        data.load_split("fashion", "train", root=tmp_path)
+    write_idx(tmp_path / "train-images-idx3-ubyte", np.zeros((4, 28, 28)), compress=False)
+    write_idx(tmp_path / "train-labels-idx1-ubyte", np.array([0, 10, 255, 3]), compress=False)
+    with pytest.raises(data.CorruptFile, match=r"2 train label\(s\) outside 0-9 \(largest 255\)"):
+        data.load_split("fashion", "train", root=tmp_path)
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_random_bytes_give_corrupt_file_or_an_array_never_another_error(tmp_path, compress):
+    """Seeded garbage, some of it behind a valid IDX magic: read_idx must answer CorruptFile or (when the bytes
+    happen to be a consistent file) an array; never an IndexError, a MemoryError or a numpy error."""
+    import random
+    path = tmp_path / ("x-idx1-ubyte.gz" if compress else "x-idx1-ubyte")
+    for seed in range(300):
+        rng = random.Random(seed)
+        body = rng.randbytes(rng.randrange(0, 400))
+        if seed % 2:  # half of them past the magic check, with a random dimension count and sizes
+            body = bytes([0, 0, 8, rng.randrange(0, 5)]) + body
+        path.write_bytes(gzip.compress(body) if compress else body)
+        try:
+            array = data.read_idx(path)
+        except data.CorruptFile:
+            continue
+        assert array.dtype == np.uint8 and array.size == len(body) - 4 - 4 * body[3]
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(batch_size=0), ValueError), (dict(batch_size=2.5), TypeError), (dict(batch_size="64"), TypeError),
+    (dict(num_workers=-1), ValueError), (dict(batch_size=True), TypeError),
+])
+def test_loaders_refuse_bad_numbers_with_their_name(kwargs, error):
+    dataset = torch.utils.data.TensorDataset(torch.zeros(4, 1), torch.zeros(4))
+    name = next(iter(kwargs))
+    with pytest.raises(error, match=name):
+        data.make_loader(dataset, **kwargs)
+    if name == "batch_size":
+        with pytest.raises(error, match=name):
+            data.DeviceLoader(dataset, kwargs[name])

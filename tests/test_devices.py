@@ -22,8 +22,14 @@ def test_plan_places_ranks(n_gpus, world_size, backend, kind, expected):
     assert (p.backend, p.kind, p.world_size) == (backend, kind, world_size)
 
 
-def test_plan_sentences_say_what_is_real():
+def test_plan_sentences_say_what_is_real(monkeypatch):
+    monkeypatch.setattr(devices, "cpu_cores", lambda: 2)
     assert "CPU" in devices.plan(2, n_gpus=0).sentence
+    single = devices.plan(1, n_gpus=0).sentence
+    assert "baseline" in single and "speed-up" not in single, "one rank has no speed-up to speak of"
+    crowded = devices.plan(4, n_gpus=0).sentence
+    assert "4 ranks on 2 cores take turns" in crowded
+    assert "take turns" not in devices.plan(2, n_gpus=0).sentence
     assert "no speed-up" in devices.plan(2, n_gpus=1).sentence
     assert "real multi-GPU" in devices.plan(2, n_gpus=2).sentence
     partly = devices.plan(3, n_gpus=2).sentence
@@ -121,3 +127,11 @@ def test_describe_reads_names_memory_and_peers_through_nvml(monkeypatch):
     assert machine.peer_access == {(0, 1): True, (1, 0): True}
     assert devices.driver_check("13.0").startswith("this GPU driver supports CUDA up to 12.4")
     assert fake.open == 0, "every nvmlInit is matched by nvmlShutdown"
+
+
+@pytest.mark.parametrize("bad, error", [("1", TypeError), (1.0, TypeError), (True, TypeError), (-1, ValueError)])
+def test_pick_device_and_plan_refuse_bad_indices_and_counts(bad, error):
+    with pytest.raises(error, match="GPU index"):
+        devices.pick_device(bad)
+    with pytest.raises(error, match="n_gpus"):
+        devices.plan(2, n_gpus=bad)

@@ -16,20 +16,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from helpers import launch as L
+from helpers.procs import alive
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def alive(pids):
-    """Pids still running (zombies count as gone: they hold no memory or GPU)."""
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
 
 
 def wait_for_rank_pids(folder, n):
@@ -255,3 +244,103 @@ def test_ranks_die_with_a_killed_kernel(tmp_path):
     while alive(rank_pids) and time.time() < deadline:
         time.sleep(0.05)
     assert alive(rank_pids) == []
+
+
+def reports_forever(rank, world_size, pid_dir):
+    open(os.path.join(pid_dir, str(os.getpid())), "w").close()
+    step = 0
+    while True:
+        L.report(step=step, loss=1.0 / (step + 1))
+        step += 1
+        time.sleep(0.02)
+
+
+def test_a_stop_event_ends_every_rank_and_launch_works_again(tmp_path):
+    import threading
+
+    from helpers import Stopped
+
+    stop = threading.Event()
+    timer = threading.Timer(2.0, stop.set)  # a panel's Stop button, clicked from another thread
+    timer.start()
+    start = time.perf_counter()
+    with pytest.raises(Stopped, match="stopped on request") as info:
+        L.launch(reports_forever, 2, str(tmp_path), timeout=120, stop=stop, progress=False)
+    assert time.perf_counter() - start < 10
+    assert set(info.value.partial) == {0, 1} and info.value.partial[0]["step"] > 0, "what was done so far"
+    assert alive(wait_for_rank_pids(tmp_path, 2)) == []
+    assert L.launch(sum_of_ranks, 2, 1.0, quiet=True, progress=False)[0]["rank"] == 0
+
+
+def test_an_absurd_world_size_is_refused_before_anything_is_opened():
+    before = len(psutil.Process().open_files()), len(psutil.Process().children())
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"world_size=100000 is more ranks.*max_world_size=100000"):
+        L.launch(sum_of_ranks, 100000, 1.0)
+    assert time.perf_counter() - start < 1
+    assert (len(psutil.Process().open_files()), len(psutil.Process().children())) == before
+    assert L.rank_limit() >= 8 and L.rank_limit() >= 4 * L.devices.cpu_cores()
+    with pytest.raises(ValueError, match="max_world_size=3"):
+        L.launch(sum_of_ranks, 3, 1.0, max_world_size=2)
+
+
+@pytest.mark.parametrize("timeout, error, words", [
+    ("5", TypeError, "timeout must be a number of seconds"),
+    (None, TypeError, "timeout must be a number of seconds"),
+    (True, TypeError, "timeout must be a number of seconds"),
+    (float("nan"), ValueError, "finite number of seconds > 0"),
+    (float("inf"), ValueError, "finite number of seconds > 0"),
+    (-1, ValueError, "finite number of seconds > 0"),
+])
+def test_a_bad_timeout_gets_a_message_of_its_own(timeout, error, words):
+    with pytest.raises(error, match=words):
+        L.launch(sum_of_ranks, 2, 1.0, timeout=timeout)
+
+
+def test_a_gpu_launch_from_a_poisoned_process_is_refused_with_the_fix(monkeypatch):
+    """A CPU backward in the notebook leaves forked children unable to start CUDA (FACTS, H100)."""
+    monkeypatch.setattr(L.devices, "gpu_count", lambda: 1)  # the plan puts ranks on cuda:0
+
+    def poisoned(device):
+        raise RuntimeError("CUDA error: initialization error\nCUDA kernel errors might be ...")
+
+    monkeypatch.setattr(torch.cuda, "set_device", poisoned)  # what a child forked after a backward sees
+    before = len(psutil.Process().children())
+    with pytest.raises(L.CudaPoisoned) as info:
+        L.launch(sum_of_ranks, 2, 1.0)
+    text = str(info.value)
+    assert "CUDA error: initialization error" in text and "backward pass" in text
+    assert "restart the kernel" in text and "launch(fn, 1)" in text
+    assert isinstance(info.value, L.CudaInitialized), "callers catching the older error still catch this"
+    assert len(psutil.Process().children()) == before
+
+
+def test_the_canary_answers_none_when_cuda_starts_and_an_error_when_it_cannot(monkeypatch):
+    from helpers.procs import cuda_canary
+
+    cuda0 = torch.device("cuda", 0)
+    if not torch.cuda.is_available():  # here: the real driver is absent, so the child must say so
+        assert "Error" in cuda_canary(cuda0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: None)
+    assert cuda_canary(cuda0) is None
+
+
+def test_ranks_failing_to_start_cuda_get_the_backward_hint():
+    from helpers._rank import _hint
+
+    assert "backward pass" in _hint(RuntimeError("CUDA error: initialization error"))
+
+
+def test_call_in_child_returns_the_value_and_names_deaths_and_hangs():
+    from helpers.procs import ChildDied, call_in_child
+
+    assert call_in_child(lambda a, b: {"sum": a + b, "pid": os.getpid()}, 2, 3)["sum"] == 5
+    assert call_in_child(os.getpid) != os.getpid(), "it ran in another process"
+    with pytest.raises(ChildDied) as info:
+        call_in_child(os._exit, 7)
+    assert info.value.exitcode == 7
+    start = time.perf_counter()
+    with pytest.raises(TimeoutError, match="sleeper did not answer within 1 s"):
+        call_in_child(time.sleep, 60, timeout=1, name="sleeper")
+    assert time.perf_counter() - start < 10

@@ -7,11 +7,12 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
 
 from helpers import ddp, devices, models, plots  # noqa: E402
-from helpers.launch import free_port, launch, prewarm, rank_device, report  # noqa: E402
+from helpers.launch import RankFailed, free_port, launch, prewarm, rank_device, report  # noqa: E402
 from helpers.procs import child_stderr  # noqa: E402
 
 
@@ -26,8 +27,22 @@ def test_plots_draw_what_they_are_given():
     assert list(ax.lines[0].get_ydata()) == [2.0, 1.0]
     ax = plots.plot_bars({"a": 1.0, "b": 3.0}, "rate")
     assert [round(p.get_height()) for p in ax.patches] == [1, 3]
+    ax = plots.plot_bars({"a": 2.0, "b": 3.0}, "rate", spread={"a": (1.0, 2.5), "b": (3.0, 3.0)})
+    (whiskers,) = ax.collections
+    assert [tuple(seg[:, 1]) for seg in whiskers.get_segments()] == [(1.0, 2.5), (3.0, 3.0)]
     ax = plots.plot_curves({"x": [(0, 1.0), (1, 0.5)], "empty": []}, "step", "loss")
     assert len(ax.lines) == 1
+
+
+def test_step_curve_bins_each_epoch_and_one_epoch_plots_as_a_curve():
+    rows = [dict(epoch=1, train_loss=1.5, test_acc=0.6, step_losses=[2.0, 1.0, 1.0, 0.0]),
+            dict(epoch=2, train_loss=0.5, test_acc=0.8, step_losses=[1.0, 0.0])]
+    assert plots.step_curve(rows, points_per_epoch=2) == [(0.5, 1.5), (1.0, 0.5), (1.5, 1.0), (2.0, 0.0)]
+    assert plots.step_curve(rows[:1], points_per_epoch=20) == [(0.25, 2.0), (0.5, 1.0), (0.75, 1.0), (1.0, 0.0)]
+    ax = plots.plot_history(rows[:1])
+    assert len(ax.lines[0].get_xdata()) == 5, "one epoch: a loss curve from its first step, not a single point"
+    low, high = ax.figure.axes[1].get_ylim()
+    assert low <= 0.6 <= high and high <= 1.0 and high - low > 0.1, "accuracy axis is not a band around one point"
 
 
 def test_live_plot_keeps_every_point_of_the_ranks_asked_for(monkeypatch):
@@ -42,16 +57,28 @@ def test_live_plot_keeps_every_point_of_the_ranks_asked_for(monkeypatch):
 
 
 def test_ddp_steps_match_one_process_with_the_big_batch():
+    """The reference runs in a launched child: a backward here would poison later GPU forks (FACTS)."""
     data = toy_set()
-    out = launch(ddp.ddp_steps, 2, data, 3, 16, 0.1, quiet=True, progress=False)
-    ref = ddp.one_process_steps(data, 3, 32, 0.1)
+    quiet = dict(quiet=True, progress=False)
+    out = launch(ddp.ddp_steps, 2, data, 3, 16, 0.1, **quiet)
+    ref = launch(ddp.reference_rank, 1, data, 3, 32, 0.1, **quiet)[0]
     assert models.max_param_diff(out[0]["params"], ref["params"]) < 1e-5
     assert models.max_param_diff(out[0]["params"], out[1]["params"]) == 0.0
     assert not set(out[0]["indices"]) & set(out[1]["indices"])
-    with_bn = launch(functools.partial(ddp.ddp_steps, batch_norm=True), 2, data, 3, 16, 0.1,
-                     quiet=True, progress=False)
-    assert models.max_param_diff(with_bn[0]["params"], ddp.one_process_steps(data, 3, 32, 0.1,
-                                                                          batch_norm=True)["params"]) > 1e-4
+    with_bn = launch(functools.partial(ddp.ddp_steps, batch_norm=True), 2, data, 3, 16, 0.1, **quiet)
+    bn_ref = launch(functools.partial(ddp.reference_rank, batch_norm=True), 1, data, 3, 32, 0.1, **quiet)[0]
+    assert models.max_param_diff(with_bn[0]["params"], bn_ref["params"]) > 1e-4
+    with pytest.raises(RankFailed, match="launch it with world_size=1"):
+        launch(ddp.reference_rank, 2, data, 3, 32, 0.1, **quiet)
+
+
+@pytest.mark.parametrize("steps, batch, lr, error", [
+    (0, 16, 0.1, ValueError), (2.0, 16, 0.1, TypeError), (2, -1, 0.1, ValueError), (2, 16, 0.0, ValueError),
+    (2, 16, float("nan"), ValueError), (2, 16, "0.1", TypeError),
+])
+def test_ddp_helpers_refuse_bad_numbers_up_front(steps, batch, lr, error):
+    with pytest.raises(error, match="steps|batch_size|lr"):
+        ddp.one_process_steps(toy_set(), steps, batch, lr)
 
 
 def test_ddp_steps_refuse_more_than_one_epoch():

@@ -1,4 +1,5 @@
 import math
+import warnings
 
 import pytest
 import torch
@@ -71,3 +72,81 @@ def test_time_it_reports_medians():
     assert bench.ratio(3.0, 2.0) == 1.5
     with pytest.raises(ValueError):
         bench.ratio(1.0, 0.0)
+
+
+def test_stop_ends_training_between_steps_with_what_was_done():
+    import threading
+
+    from helpers import Stopped
+
+    x, y = toy_data()
+    loader = data.DeviceLoader((x, y), batch_size=32, seed=0)
+    model = models.ConvNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    stop = threading.Event()
+    with pytest.raises(Stopped) as info:
+        train.train_one_epoch(model, loader, opt, "cpu", stop=stop,
+                              on_step=lambda step, loss: step == 2 and stop.set())
+    assert info.value.partial.samples == 3 * 32, "three steps ran before the stop was seen"
+    stop.clear()
+    test_loader = data.DeviceLoader((x, y), batch_size=64, shuffle=False)
+    rows = []
+
+    def after_epoch(row):
+        rows.append(row)
+        stop.set()  # clicked during epoch 2
+    with pytest.raises(Stopped, match="epoch 2 of 3") as info:
+        train.fit(model, loader, test_loader, opt, "cpu", 3, progress=False, on_epoch=after_epoch, stop=stop)
+    assert info.value.partial == rows and len(rows) == 1
+
+
+def test_fit_steps_the_scheduler_after_every_optimizer_step():
+    x, y = toy_data(n=128)
+    loader = data.DeviceLoader((x, y), batch_size=32, seed=0)
+    model = models.ConvNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=2 * len(loader))
+    train.fit(model, loader, loader, opt, "cpu", 2, scheduler=sched, progress=False)
+    assert sched.last_epoch == 2 * len(loader)
+
+
+def test_full_fp32_turns_tf32_off_and_restores_it():
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True  # a GPU's likely defaults
+    try:
+        with train.full_fp32():
+            assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+        assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
+        torch.get_float32_matmul_precision()  # still readable: full_fp32 left torch's precision API consistent
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def test_compare_alternates_the_order_and_reports_median_and_spread():
+    calls = []
+    out = bench.compare({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, warmup=1, rounds=3)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"], "warm-up each, then a b / b a / a b"
+    assert set(out) == {"a", "b"} and len(out["a"]["all"]) == 3
+    assert out["a"]["min"] <= out["a"]["median"] <= out["a"]["max"]
+
+
+def test_a_step_skipped_by_the_grad_scaler_does_not_advance_the_schedule():
+    """fp16's GradScaler skips a step whose gradients overflowed; the LR schedule must stay where it was."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)  # the CPU scaler behaves as the CUDA one
+    data = [(torch.randn(8, 4), torch.randint(0, 2, (8,))) for _ in range(4)]
+    calls = []
+
+    def loss_fn(out, y):  # the second step's gradients overflow, as fp16's can
+        calls.append(1)
+        loss = torch.nn.functional.cross_entropy(out, y)
+        return loss * float("inf") if len(calls) == 2 else loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "lr_scheduler.step() before optimizer.step()" would raise
+        train.train_one_epoch(model, data, opt, "cpu", scaler=scaler, scheduler=sched, loss_fn=loss_fn)
+    assert sched.last_epoch == 3, "4 steps, one skipped: the schedule advanced 3 times"
+    assert scaler.get_scale() == 2.0**7, "the scaler halved its scale at the overflow"

@@ -1,0 +1,271 @@
+"""A Keras 3 model (torch backend) trained under DistributedDataParallel: what the ranks of notebook 10 run.
+
+The model and loop follow the Keras guide "Multi-GPU distributed training with
+PyTorch": a small convnet with BatchNormalization and Dropout, wrapped in
+``torch.nn.parallel.DistributedDataParallel``, fed by a DistributedSampler,
+trained by a plain torch loop. Under the torch backend a Keras model *is* a
+``torch.nn.Module`` whose variables (trainable or not) are ``nn.Parameter``\\s,
+which is why DDP can wrap it at all.
+
+Keras picks its backend once, at its first import, from ``KERAS_BACKEND``:
+``keras_torch()`` sets it (unless already set) and checks what Keras chose,
+and this module imports Keras only through it, so importing ``helpers`` never
+fixes the backend behind a learner's back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+
+from ._rank import rank_device, report
+from .checks import positive_int, positive_number
+from .ddp import shard_sampler
+from .train import full_fp32, sync
+
+
+def keras_torch():
+    """Import Keras with the torch backend and return it; refuse clearly when another backend is set or loaded.
+
+    Introduced in notebooks/10-keras-on-torch.ipynb.
+    """
+    wanted = os.environ.setdefault("KERAS_BACKEND", "torch")
+    if wanted != "torch":
+        raise RuntimeError(f"KERAS_BACKEND={wanted!r}; this course runs Keras on torch: set KERAS_BACKEND='torch' "
+                           "before the first `import keras` (restart the kernel if Keras is already imported)")
+    import keras
+
+    if keras.backend.backend() != "torch":  # imported earlier, before the variable was set
+        raise RuntimeError(f"Keras was imported with the {keras.backend.backend()!r} backend before KERAS_BACKEND "
+                           "was set; the backend cannot change after the first import: restart the kernel")
+    return keras
+
+
+def get_model(dropout: float = 0.5, seed: int = 0):
+    """The guide's convnet (3 Conv+BatchNorm+ReLU, global pooling, Dense 256, Dropout, Dense 10 logits).
+
+    Input is (28, 28, 1), channels last as Keras expects. The guide's
+    ``Rescaling(1/255)`` is left out: ``helpers.data`` already normalises.
+    ``seed`` fixes the initial weights, so every rank builds the same model.
+    Introduced in notebooks/10-keras-on-torch.ipynb.
+    """
+    keras = keras_torch()
+    layers = keras.layers
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input(shape=(28, 28, 1))
+    # The guide names only "large_k"; naming every layer keeps the variable paths ("bn1/moving_mean") the same
+    # in every process and every call (Keras numbers unnamed layers per process: conv2d, conv2d_1, ...).
+    x = layers.Conv2D(filters=12, kernel_size=3, padding="same", use_bias=False, name="conv1")(inputs)
+    x = layers.BatchNormalization(scale=False, center=True, name="bn1")(x)
+    x = layers.ReLU()(x)
+    x = layers.Conv2D(filters=24, kernel_size=6, use_bias=False, strides=2, name="conv2")(x)
+    x = layers.BatchNormalization(scale=False, center=True, name="bn2")(x)
+    x = layers.ReLU()(x)
+    x = layers.Conv2D(filters=32, kernel_size=6, padding="same", strides=2, name="large_k")(x)
+    x = layers.BatchNormalization(scale=False, center=True, name="bn3")(x)
+    x = layers.ReLU()(x)
+    x = layers.GlobalAveragePooling2D()(x)
+    x = layers.Dense(256, activation="relu", name="dense")(x)
+    x = layers.Dropout(dropout)(x)  # its masks are seeded by set_random_seed above
+    outputs = layers.Dense(10, name="logits")(x)
+    return keras.Model(inputs, outputs)
+
+
+def channels_last(dataset: TensorDataset) -> TensorDataset:
+    """The same images as (N, 28, 28, 1) for Keras (``helpers.data`` serves torch's (N, 1, 28, 28)).
+
+    Introduced in notebooks/10-keras-on-torch.ipynb.
+    """
+    x, y = dataset.tensors
+    return TensorDataset(x.permute(0, 2, 3, 1).contiguous(), y)
+
+
+def weights(model, trainable: bool) -> dict:
+    """A Keras model's float variables by path (``'dense/kernel'``): trainable ones, or the rest.
+
+    With ``trainable=False`` these are BatchNormalization's moving means and
+    variances (the dropout's integer seed state is left out).
+    Introduced in notebooks/10-keras-on-torch.ipynb.
+    """
+    chosen = model.trainable_variables if trainable else model.non_trainable_variables
+    return {v.path: v.value.detach().clone() for v in chosen if v.value.is_floating_point()}
+
+
+def save_atomic(model, path) -> Path:
+    """Save a Keras model to ``path`` (``.keras``) through a temporary file and a rename, so no reader sees half a file.
+
+    Introduced in notebooks/10-keras-on-torch.ipynb.
+    """
+    path = Path(path)
+    if path.suffix != ".keras":
+        raise ValueError(f"Keras saves whole models to a '.keras' file, got {path.name!r}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.keras")  # same folder: os.replace stays one rename
+    try:
+        model.save(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _check(dataset, world_size, batch_size, steps, lr) -> None:
+    positive_int("steps", steps)
+    positive_int("batch_size", batch_size)
+    positive_number("lr", lr)
+    if steps > len(dataset) // (world_size * batch_size):
+        raise ValueError(f"{steps} steps of {world_size}x{batch_size} need more than one epoch of {len(dataset)} "
+                         "samples; use fewer steps or a smaller batch")
+
+
+def keras_steps(rank: int, world_size: int, dataset, steps: int, batch_size: int, lr: float, *,
+                training=True, dropout: float = 0.5, optimizer: str = "adam", seed: int = 0, warmup: int = 0,
+                epochs: int = 1, use_ddp: bool = True, save_to=None, device=None) -> dict:
+    """Train the guide's Keras model in DDP with the guide's torch loop: ``epochs`` x ``steps`` steps of ``batch_size``.
+
+    ``training=True`` calls ``model(x, training=True)``; ``training=None``
+    calls ``model(x)`` as the guide does, which leaves BatchNormalization in
+    inference mode and Dropout off. ``use_ddp=False`` with one rank is the
+    one-process reference (launch it with ``launch(keras_steps, 1, ...)``).
+    Rank 0 saves the trained model to ``save_to`` (atomically). Returns the
+    trainable weights, the moving statistics, the per-step losses and
+    samples/s after ``warmup`` untimed steps. Full float32 (TF32 off).
+    ``device`` defaults to the one ``launch`` planned for this rank.
+    Introduced in notebooks/10-keras-on-torch.ipynb.
+    """
+    positive_int("epochs", epochs)
+    _check(dataset, world_size, batch_size, steps + warmup, lr)
+    if not use_ddp and world_size != 1:
+        raise ValueError(f"use_ddp=False is the one-process reference: launch it with world_size=1, not {world_size}")
+    keras = keras_torch()
+    device = torch.device(device) if device is not None else rank_device()
+    # Keras puts new variables and inputs on its own default device ("cuda" whenever a GPU exists), not torch's:
+    # tell it this rank's device, so a rank planned onto the CPU stays there. ("cpu", never "cpu:0": Keras then
+    # copies each new variable off its nn.Parameter, and the dropout's integer seed state fails to build.)
+    with full_fp32(), keras.device(str(device)):
+        model = get_model(dropout, seed).to(device)
+        net = DDP(model, device_ids=[device] if device.type == "cuda" else None) if use_ddp else model
+        sampler = shard_sampler(dataset, rank, world_size, seed)
+        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
+        make = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}[optimizer]
+        opt = make(net.parameters(), lr=lr)  # requires_grad=False parameters (moving statistics) get no grads
+        kwargs = {} if training is None else {"training": training}
+        losses, step, start = [], 0, _clock(device)
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)  # a fresh shuffle per epoch, the same on every rank
+            for x, y in itertools.islice(loader, steps + (warmup if epoch == 0 else 0)):
+                if step == warmup:
+                    start = _clock(device)
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                loss = F.cross_entropy(net(x, **kwargs), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                if step >= warmup:
+                    losses.append(loss.item())  # the guide's loop reads the loss every step too
+                    report(step=step - warmup, total=steps * epochs, loss=losses[-1], epoch=epoch)
+                step += 1
+        seconds = _clock(device) - start
+        if save_to is not None and rank == 0:  # one writer; the others wait at launch's final barrier
+            save_atomic(model, save_to)
+        return {"params": weights(model, True), "moving": weights(model, False), "losses": losses,
+                "samples_per_s": len(losses) * batch_size / seconds,
+                "saved": str(save_to) if rank == 0 and save_to else None}
+
+
+def broadcast_probe(rank: int, world_size: int, dataset, batch_size: int, *, seed: int = 0) -> dict:
+    """Does DDP broadcast a Keras moving statistic? Each rank writes its own number into one, then wraps and steps.
+
+    Rank r fills ``bn1/moving_mean`` and the trainable ``logits/bias`` with
+    r + 1 before ``DDP(...)``; the result holds both right after wrapping
+    (DDP's constructor copies rank 0's parameters to all ranks) and after one
+    training step on this rank's batch (which DDP does not touch for a
+    ``requires_grad=False`` parameter).
+    Introduced in notebooks/10-keras-on-torch.ipynb.
+    """
+    _check(dataset, world_size, batch_size, 1, 1.0)
+    keras = keras_torch()
+    device = rank_device()
+    with full_fp32(), keras.device(str(device)):
+        model = get_model(0.0, seed).to(device)
+        by_path = {v.path: v for v in model.variables}
+        moving, bias = by_path["bn1/moving_mean"], by_path["logits/bias"]
+        for v in (moving, bias):
+            v.assign(torch.full(tuple(v.shape), rank + 1.0))
+        net = DDP(model, device_ids=[device] if device.type == "cuda" else None)
+        seen = {"wrapped": (moving.value[0].item(), bias.value[0].item())}
+        x, y = next(iter(DataLoader(dataset, batch_size=batch_size, sampler=shard_sampler(dataset, rank, world_size))))
+        loss = F.cross_entropy(net(x.to(device), training=True), y.to(device))
+        loss.backward()
+        torch.optim.SGD(net.parameters(), lr=0.1).step()
+        seen["stepped"] = (moving.value[0].item(), bias.value[0].item())
+        return seen
+
+
+def _clock(device) -> float:
+    sync(device)  # queued GPU work first, so the clock is honest
+    return time.perf_counter()
+
+
+def fit_rank(rank: int, world_size: int, dataset, steps: int, batch_size: int, lr: float, *, seed: int = 0) -> dict:
+    """What Keras's own ``model.fit`` does in a DDP rank: the model is wrapped, but ``fit`` calls the Keras model.
+
+    ``DistributedDataParallel`` has no ``fit``; ``model.fit`` runs Keras's
+    train step on the inner model, outside DDP's forward, so DDP never
+    all-reduces the gradients. Returns the trainable weights after ``steps``
+    steps on this rank's shard.
+    Introduced in notebooks/10-keras-on-torch.ipynb.
+    """
+    _check(dataset, world_size, batch_size, steps, lr)
+    keras = keras_torch()
+    device = rank_device()
+    with full_fp32(), keras.device(str(device)):
+        model = get_model(0.0, seed).to(device)
+        ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None)
+        model.compile(optimizer=keras.optimizers.SGD(lr),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        idx = list(shard_sampler(dataset, rank, world_size, seed))[: steps * batch_size]
+        x, y = (t[idx].numpy() for t in dataset.tensors)
+        history = model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+        return {"params": weights(model, True), "has_fit": hasattr(ddp, "fit"),
+                "loss": history.history["loss"][-1]}
+
+
+def guide_rank(current_gpu_index: int, num_gpus: int, dataset, port: int, results, steps: int = 8,
+               batch_size: int = 64, fail_rank=None, hang_rank=None) -> None:
+    """The guide's ``per_device_launch_fn`` for ``torch.multiprocessing.start_processes``: env:// on a fixed port.
+
+    It trains ``steps`` steps (the guide trains 2 epochs) and writes rank r's last
+    loss into ``results[r]`` (shared memory). On a machine with fewer GPUs
+    than ranks it runs on the CPU over gloo (the guide assumes one GPU per
+    rank and NCCL). ``fail_rank`` raises in that rank after joining the group;
+    ``hang_rank`` sleeps there for an hour (a rank stuck on a lost peer or a
+    skipped collective), which leaves the other ranks waiting for it.
+    Introduced in notebooks/10-keras-on-torch.ipynb.
+    """
+    torch.set_num_threads(1)  # a rank forked after the notebook used torch's thread pool hangs with more
+    os.environ["MASTER_ADDR"] = "localhost"
+    os.environ["MASTER_PORT"] = str(port)
+    gpus = torch.cuda.device_count() >= num_gpus
+    device = torch.device(f"cuda:{current_gpu_index}" if gpus else "cpu")
+    dist.init_process_group(backend="nccl" if gpus else "gloo", init_method="env://", world_size=num_gpus,
+                            rank=current_gpu_index)
+    if gpus:
+        torch.cuda.set_device(device)
+    if current_gpu_index == fail_rank:
+        raise RuntimeError(f"rank {current_gpu_index} failed on purpose")
+    if current_gpu_index == hang_rank:
+        time.sleep(3600)
+    out = keras_steps(current_gpu_index, num_gpus, dataset, steps, batch_size, 1e-3, training=True, device=device)
+    results[current_gpu_index] = out["losses"][-1]
+    dist.destroy_process_group()
+    sys.stdout.flush()

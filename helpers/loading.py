@@ -1,0 +1,241 @@
+"""Feeding the model: a dataset with real per-item CPU work, and a DataLoader benchmark.
+
+``AugmentedFashion`` decodes each Fashion-MNIST image to a PIL image and
+augments it with torchvision's transforms v2, as image pipelines do: per item,
+in Python, on the CPU. That work is what DataLoader workers parallelise.
+``measure`` times one loader setting: samples/s, and per step the time spent
+waiting for the next batch against the time spent computing on it.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+from torchvision.transforms import v2
+
+from . import Stopped, data
+from .bench import alternating
+from .checks import positive_int
+from .train import sync
+
+
+def _raw_split(split: str, root=None) -> tuple[np.ndarray, np.ndarray]:
+    """The split's images as uint8 (N, 28, 28) and labels, undecoded (the dataset does the work per item)."""
+    folder = data.find_dataset("fashion", root)
+    arrays = []
+    for what in ("images", "labels"):
+        path = folder / f"{'train' if split == 'train' else 't10k'}-{what}-idx{3 if what == 'images' else 1}-ubyte"
+        arrays.append(data.read_idx(path if path.exists() else path.with_name(path.name + ".gz")))
+    return arrays[0], arrays[1].astype(np.int64)
+
+
+def augmentation(size: int = 28) -> v2.Compose:
+    """Random resized crop and flip on the PIL image, then tensor, float and normalise (transforms v2).
+
+    Introduced in notebooks/06-data-loading.ipynb.
+    """
+    mean, std = data.NORMALIZE["fashion"]
+    return v2.Compose([v2.RandomResizedCrop(size, scale=(0.6, 1.0), antialias=True), v2.RandomHorizontalFlip(),
+                       v2.PILToTensor(), v2.ToDtype(torch.float32, scale=True), v2.Normalize([mean], [std])])
+
+
+class AugmentedFashion(Dataset):
+    """Fashion-MNIST items made per request: uint8 array → PIL image → transforms v2 → normalised tensor.
+
+    ``images``/``labels`` (uint8 (N, H, W) and int) replace the files, for tests.
+    Introduced in notebooks/06-data-loading.ipynb.
+    """
+
+    def __init__(self, split: str = "train", limit: int | None = None, root=None, images=None, labels=None,
+                 transform=None):
+        if images is None:
+            if split not in ("train", "test"):
+                raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+            images, labels = _raw_split(split, root)
+        if limit is not None:
+            positive_int("limit", limit)
+            images, labels = images[:limit], labels[:limit]
+        if len(images) != len(labels):
+            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+        self.images, self.labels = np.ascontiguousarray(images, dtype=np.uint8), np.asarray(labels)
+        self.transform = transform or augmentation(self.images.shape[-1])
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int):
+        image = Image.fromarray(self.images[i], mode="L")  # the decode step a JPEG pipeline would do
+        return self.transform(image), int(self.labels[i])
+
+
+@dataclass(frozen=True)
+class LoaderRun:
+    """One timed pass: samples, seconds, and the seconds spent waiting for batches vs computing on them."""
+
+    settings: dict
+    samples: int
+    steps: int
+    seconds: float
+    wait_s: float
+    compute_s: float
+    first_batch_s: float  # from asking for the first batch to having it: worker start-up included
+    timeline: tuple = ()  # (seconds since start, samples done) after every step, for plots
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def wait_fraction(self) -> float:
+        """Share of the time the step sat waiting for data (0: the loader keeps up)."""
+        return self.wait_s / self.seconds if self.seconds > 0 else 0.0
+
+
+def forward_step(model: torch.nn.Module, device="cpu"):
+    """A step that copies the batch to ``device`` and runs ``model`` forward without autograd.
+
+    No backward on purpose: a notebook that later forks GPU ranks must not
+    run autograd in its own process (see helpers.launch).
+    Introduced in notebooks/06-data-loading.ipynb.
+    """
+    device = torch.device(device)
+    model = model.to(device).eval()
+
+    def step(x, y):
+        x = x.to(device, non_blocking=True)
+        with torch.inference_mode():
+            model(x)
+        sync(device)  # the step ends when the device is done, or the wait time would hide its work
+    return step
+
+
+def make_loader(dataset, batch_size: int = 256, num_workers: int = 0, pin_memory: bool = False,
+                persistent_workers: bool = False, prefetch_factor: int | None = None, shuffle: bool = True,
+                seed: int = 0, sampler=None) -> DataLoader:
+    """``data.make_loader`` with the benchmark's defaults: batch 256, workers not kept between epochs.
+
+    Introduced in notebooks/06-data-loading.ipynb.
+    """
+    return data.make_loader(dataset, batch_size, shuffle, num_workers, pin_memory, sampler, seed,
+                            persistent_workers=persistent_workers, prefetch_factor=prefetch_factor)
+
+
+def measure(loader, step=None, epochs: int = 1, max_batches: int | None = None, settings: dict | None = None,
+            stop=None) -> LoaderRun:
+    """Iterate ``loader`` for ``epochs`` (each cut at ``max_batches``), calling ``step(x, y)`` per batch.
+
+    The clock runs from asking for the first batch, so worker start-up counts
+    (once with persistent workers, every epoch without), as waiting: ``wait_s``
+    holds starting, resuming and shutting down workers as well as ``next()``. ``stop`` (a
+    threading.Event) ends the pass between batches with ``helpers.Stopped``.
+    Introduced in notebooks/06-data-loading.ipynb.
+    """
+    positive_int("epochs", epochs)
+    samples = steps = 0
+    wait = compute = 0.0
+    first = None
+    timeline = []
+    start = time.perf_counter()
+    for _ in range(epochs):
+        t0 = time.perf_counter()
+        it = iter(loader)  # starts the workers (or, persistent, waits for them to resume): waiting for data too
+        wait += time.perf_counter() - t0
+        for b in range(len(loader) if max_batches is None else min(max_batches, len(loader))):
+            if stop is not None and stop.is_set():
+                raise Stopped(f"stopped after {steps} batches", partial=None)
+            t0 = time.perf_counter()
+            x, y = next(it)
+            t1 = time.perf_counter()
+            if step is not None:
+                step(x, y)
+            t2 = time.perf_counter()
+            first = t1 - start if first is None else first
+            wait, compute = wait + t1 - t0, compute + t2 - t1
+            samples, steps = samples + len(y), steps + 1
+            timeline.append((t2 - start, samples))
+        t0 = time.perf_counter()
+        del it  # non-persistent workers shut down here, as at the end of a real epoch; the loop waits for that
+        wait += time.perf_counter() - t0
+    return LoaderRun(settings or {}, samples, steps, time.perf_counter() - start, wait, compute, first or 0.0,
+                     tuple(timeline))
+
+
+def sweep(dataset, settings: list[dict], step=None, repeats: int = 3, warmup: int = 1, epochs: int = 1,
+          max_batches: int | None = None, batch_size: int = 256, stop=None) -> list[dict]:
+    """Measure each setting ``repeats`` times, rounds alternating in order; per setting the median and spread.
+
+    Each dict in ``settings`` holds ``make_loader`` keywords. Alternating the
+    order keeps a drifting machine from favouring whichever setting runs
+    first. Returns one dict per setting: the settings, ``median``, ``low`` and
+    ``high`` samples/s, ``wait_fraction`` (median) and every run.
+    Introduced in notebooks/06-data-loading.ipynb.
+    """
+    positive_int("repeats", repeats)
+    runs: list[list[LoaderRun]] = [[] for _ in settings]
+
+    def once(i):
+        loader = make_loader(dataset, batch_size=batch_size, **settings[i])
+        return measure(loader, step, epochs, max_batches, settings[i], stop)
+
+    for i in range(len(settings)):
+        for _ in range(warmup):
+            once(i)
+    for i in alternating(list(range(len(settings))), repeats):
+        runs[i].append(once(i))
+    out = []
+    for s, rs in zip(settings, runs):
+        rates = sorted(run.samples_per_s for run in rs)
+        out.append({"settings": s, "median": statistics.median(rates), "low": rates[0], "high": rates[-1],
+                    "wait_fraction": statistics.median(run.wait_fraction for run in rs),
+                    "first_batch_s": statistics.median(run.first_batch_s for run in rs), "runs": rs})
+    return out
+
+
+def best(results: list[dict]) -> dict:
+    """The fastest setting by median samples/s.
+
+    Introduced in notebooks/06-data-loading.ipynb.
+    """
+    if not results:
+        raise ValueError("no results to choose from")
+    return max(results, key=lambda r: r["median"])
+
+
+def rank_with_workers(rank: int, world_size: int, dataset, num_workers: int, batches: int = 4,
+                      batch_size: int = 64, hold_s: float = 1.0) -> dict:
+    """A DDP rank that reads its shard through ``num_workers`` DataLoader workers and counts them.
+
+    After the first batch each rank lists its child processes (its workers),
+    reports them, and holds them alive ``hold_s`` seconds so that the parent
+    can count the whole process tree meanwhile. It returns while its
+    persistent workers still run: ``launch`` must clean them up.
+    Introduced in notebooks/06-data-loading.ipynb.
+    """
+    import psutil
+    import torch.distributed as dist
+    from torch.utils.data.distributed import DistributedSampler
+
+    from ._rank import report
+
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
+    loader = make_loader(dataset, batch_size=batch_size, num_workers=num_workers, persistent_workers=True,
+                         sampler=sampler)
+    it = iter(loader)
+    samples = len(next(it)[1])
+    workers = [p.pid for p in psutil.Process().children(recursive=True)]
+    dist.barrier()  # every rank's workers are up before anyone reports
+    report(stage="workers up", workers=len(workers))
+    time.sleep(hold_s)
+    for _ in range(min(batches, len(loader)) - 1):
+        samples += len(next(it)[1])
+    dist.barrier()
+    rank_with_workers.kept = (loader, it)  # keep the workers running past return, as a crashed rank would
+    return {"rank": rank, "pid": os.getpid(), "worker_pids": workers, "samples": samples,
+            "threads": torch.get_num_threads()}

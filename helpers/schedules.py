@@ -1,0 +1,191 @@
+"""Pipeline schedules on paper: who runs which micro-batch when, the bubble, the activations in flight.
+
+A schedule is one *program* per stage: the order in which that stage runs
+forward (F) and backward (B) passes of micro-batches. ``simulate`` plays the
+programs with the real dependencies (F of stage s needs stage s-1's F of the
+same micro-batch; B needs the next stage's B) and given durations, which gives
+the timeline, the idle time and the peak number of micro-batches whose
+activations a stage holds.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .checks import positive_int
+
+KINDS = ("gpipe", "1f1b")
+
+
+class Slot(NamedTuple):
+    """One pass of one micro-batch on one stage, with its start and end time.
+
+    Introduced in notebooks/05-model-parallel.ipynb.
+    """
+
+    stage: int
+    op: str      # "F" or "B"
+    mb: int
+    start: float
+    end: float
+
+
+def bubble_fraction(n_stages: int, n_micro: int) -> float:
+    """(S−1)/(M+S−1): the share of a balanced GPipe step each device spends idle.
+
+    Introduced in notebooks/05-model-parallel.ipynb.
+    """
+    positive_int("n_stages", n_stages)
+    positive_int("n_micro", n_micro)
+    return (n_stages - 1) / (n_micro + n_stages - 1)
+
+
+def programs(kind: str, n_stages: int, n_micro: int) -> list[list[tuple[str, int]]]:
+    """Each stage's order of passes: GPipe (all forwards, then all backwards) or 1F1B.
+
+    1F1B: stage s runs S−1−s forwards to fill the pipe, then alternates one
+    forward and one backward, then drains the remaining backwards.
+    Introduced in notebooks/05-model-parallel.ipynb.
+    """
+    positive_int("n_stages", n_stages)
+    positive_int("n_micro", n_micro)
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    progs = []
+    for s in range(n_stages):
+        if kind == "gpipe":
+            prog = [("F", i) for i in range(n_micro)] + [("B", i) for i in range(n_micro)]
+        else:
+            warm = min(n_stages - 1 - s, n_micro)
+            prog = [("F", i) for i in range(warm)]
+            for i in range(n_micro - warm):
+                prog += [("F", warm + i), ("B", i)]
+            prog += [("B", i) for i in range(n_micro - warm, n_micro)]
+        progs.append(prog)
+    return progs
+
+
+def _per_stage(value, n_stages: int) -> list[float]:
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * n_stages
+    if len(values) != n_stages:
+        raise ValueError(f"need one duration per stage ({n_stages}), got {values}")
+    return [float(v) for v in values]
+
+
+def simulate(progs, fwd=1.0, bwd=2.0) -> list[Slot]:
+    """Play the stages' programs; ``fwd``/``bwd`` are one micro-batch's durations (one number, or one per stage).
+
+    Introduced in notebooks/05-model-parallel.ipynb.
+    """
+    S = len(progs)
+    fwd, bwd = _per_stage(fwd, S), _per_stage(bwd, S)
+    done: dict[tuple[str, int, int], float] = {}   # (op, stage, mb) -> end time
+    free = [0.0] * S                               # when each stage is next idle
+    nxt = [0] * S                                  # index of each stage's next pass
+    slots = []
+    while any(nxt[s] < len(progs[s]) for s in range(S)):
+        progressed = False
+        for s in range(S):
+            while nxt[s] < len(progs[s]):
+                op, mb = progs[s][nxt[s]]
+                if op == "F":
+                    dep = ("F", s - 1, mb) if s > 0 else None
+                else:
+                    dep = ("B", s + 1, mb) if s < S - 1 else ("F", s, mb)
+                if dep is not None and dep not in done:
+                    break  # waits for another stage
+                start = max(free[s], done.get(dep, 0.0))
+                end = start + (fwd[s] if op == "F" else bwd[s])
+                done[(op, s, mb)] = free[s] = end
+                slots.append(Slot(s, op, mb, start, end))
+                nxt[s] += 1
+                progressed = True
+        if not progressed:
+            raise ValueError("these programs deadlock: a pass waits for one that never runs before it")
+    return sorted(slots, key=lambda t: (t.start, t.stage))
+
+
+def makespan(slots: list[Slot]) -> float:
+    """The time the last pass ends: one training step.
+
+    Introduced in notebooks/05-model-parallel.ipynb.
+    """
+    return max(t.end for t in slots)
+
+
+def idle_fraction(slots: list[Slot]) -> float:
+    """Share of (stages × step time) in which a stage waits: the measured bubble of a timeline.
+
+    Introduced in notebooks/05-model-parallel.ipynb.
+    """
+    n_stages = 1 + max(t.stage for t in slots)
+    busy = sum(t.end - t.start for t in slots)
+    return 1 - busy / (n_stages * makespan(slots))
+
+
+def in_flight(slots: list[Slot]) -> list[int]:
+    """Per stage, the most micro-batches whose activations it holds at once (forward done, backward not).
+
+    Introduced in notebooks/05-model-parallel.ipynb.
+    """
+    n_stages = 1 + max(t.stage for t in slots)
+    peaks = []
+    for s in range(n_stages):
+        held = peak = 0
+        for t in sorted((t for t in slots if t.stage == s), key=lambda t: t.start):
+            held += 1 if t.op == "F" else -1
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
+def table(slots: list[Slot], tick: float = 1.0) -> str:
+    """The schedule written out: one row per stage, one column per ``tick``, 'F3' / 'B3' / '.' (idle).
+
+    Introduced in notebooks/05-model-parallel.ipynb.
+    """
+    n_stages = 1 + max(t.stage for t in slots)
+    cols = round(makespan(slots) / tick)
+    grid = [["." for _ in range(cols)] for _ in range(n_stages)]
+    for t in slots:
+        for c in range(round(t.start / tick), round(t.end / tick)):
+            grid[t.stage][c] = f"{t.op}{t.mb}"
+    width = max(len(cell) for row in grid for cell in row)
+    return "\n".join(f"stage {s}: " + " ".join(cell.ljust(width) for cell in row) for s, row in enumerate(grid))
+
+
+def predict_step(stage_seconds, n_micro: int, kind: str = "gpipe", backward_share: float = 2 / 3) -> float:
+    """Step time a perfect pipeline would take, from each stage's time for the whole batch.
+
+    Each stage's time is split into M equal micro-batch passes (a
+    ``backward_share`` of it backward) and the schedule simulated; with equal
+    stages this is T·(M+S−1)/(M·S), the bubble formula.
+    Introduced in notebooks/05-model-parallel.ipynb.
+    """
+    per = [t / n_micro for t in stage_seconds]
+    slots = simulate(programs(kind, len(per), n_micro), [p * (1 - backward_share) for p in per],
+                     [p * backward_share for p in per])
+    return makespan(slots)
+
+
+def draw_timeline(slots: list[Slot], title: str = "", ax=None, unit: str = "time"):
+    """A Gantt chart: one row per stage, forward passes blue, backward orange, micro-batch numbers inside.
+
+    Introduced in notebooks/05-model-parallel.ipynb.
+    """
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 1.2 + 0.5 * (1 + max(t.stage for t in slots))))
+    colours = {"F": "tab:blue", "B": "tab:orange"}
+    for t in slots:
+        ax.broken_barh([(t.start, t.end - t.start)], (t.stage - 0.4, 0.8), facecolors=colours[t.op],
+                       edgecolor="white")
+        ax.text((t.start + t.end) / 2, t.stage, f"{t.op}{t.mb}", ha="center", va="center", fontsize=7, color="white")
+    n_stages = 1 + max(t.stage for t in slots)
+    ax.set_yticks(range(n_stages), [f"stage {s}" for s in range(n_stages)])
+    ax.invert_yaxis()
+    ax.set_xlabel(unit)
+    ax.set_title(f"{title}  (idle {idle_fraction(slots):.0%})".strip())
+    ax.figure.tight_layout()
+    return ax

@@ -1,0 +1,122 @@
+"""The two-stage ConvNet, the stage planners (GPU counts mocked) and the schedules on paper."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from helpers import schedules, stages  # noqa: E402
+from helpers.models import ConvNet  # noqa: E402
+
+
+@pytest.mark.parametrize("n_gpus, expect, kind", [
+    (0, ["cpu", "cpu"], "cpu"),
+    (1, ["cuda:0", "cuda:0"], "one-gpu"),
+    (2, ["cuda:0", "cuda:1"], "multi-gpu"),
+    (4, ["cuda:0", "cuda:1"], "multi-gpu"),
+])
+def test_stage_planner_puts_stages_where_gpus_exist(n_gpus, expect, kind):
+    plan = stages.plan_stages(2, n_gpus=n_gpus)
+    assert [str(d) for d in plan.devices] == expect and plan.kind == kind
+    assert ("cannot overlap" in plan.sentence) == (kind != "multi-gpu"), plan.sentence
+
+
+def test_stage_planner_for_four_stages_and_bad_counts():
+    assert [str(d) for d in stages.plan_stages(4, n_gpus=4).devices] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert stages.plan_stages(4, n_gpus=2).kind == "one-gpu"
+    with pytest.raises(ValueError, match="n_stages"):
+        stages.plan_stages(0, n_gpus=2)
+    with pytest.raises(ValueError, match="n_gpus"):
+        stages.plan_stages(2, n_gpus=-1)
+
+
+@pytest.mark.parametrize("n_gpus, expect, backend", [
+    (0, [["cpu", "cpu"], ["cpu", "cpu"]], "gloo"),
+    (1, [["cuda:0", "cuda:0"], ["cuda:0", "cuda:0"]], "gloo"),
+    (2, [["cuda:0", "cuda:0"], ["cuda:1", "cuda:1"]], "nccl"),
+    (3, [["cuda:0", "cuda:0"], ["cuda:1", "cuda:1"]], "nccl"),
+    (4, [["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]], "nccl"),
+])
+def test_hybrid_planner_gives_each_rank_its_stage_devices(n_gpus, expect, backend):
+    plan = stages.plan_hybrid(2, 2, n_gpus=n_gpus)
+    assert [[str(d) for d in rank] for rank in plan.devices] == expect
+    assert plan.backend == backend and plan.world_size == 2
+    # NCCL only where no GPU belongs to two ranks
+    owners = {}
+    for r, devs in enumerate(plan.devices):
+        for d in devs:
+            owners.setdefault(d, set()).add(r)
+    assert (backend == "nccl") == all(d.type == "cuda" and len(rs) == 1 for d, rs in owners.items())
+    assert ("real model parallelism" in plan.sentence) == (n_gpus >= 4), plan.sentence
+
+
+def test_two_stage_forward_equals_convnet_without_autograd():
+    torch.manual_seed(0)
+    net = ConvNet(batch_norm=False).eval()
+    x = torch.randn(8, 1, 28, 28)
+    with torch.no_grad():
+        ref = net(x)
+        for k in stages.split_names():
+            model = stages.TwoStage(net, k)
+            assert torch.equal(model(x), ref), k
+            assert set(model.convnet_state()) == {n for n, _ in net.named_parameters()}
+
+
+def test_two_stage_refuses_bad_splits():
+    for bad in (0, 10, 2.5, True):
+        with pytest.raises(ValueError, match="split must be"):
+            stages.TwoStage(ConvNet(), bad)
+    with pytest.raises(ValueError, match="2 devices"):
+        stages.TwoStage(ConvNet(), 4, ("cpu",))
+
+
+def test_stage_memory_counts_parameters_and_saved_activations():
+    torch.manual_seed(0)
+    net = ConvNet(batch_norm=False)
+    x = torch.randn(4, 1, 28, 28)
+    rows = stages.stage_memory(stages.TwoStage(net, 4), x)
+    assert rows[0]["params"] + rows[1]["params"] == sum(p.numel() for p in net.parameters())
+    assert rows[0]["output_bytes"] == 4 * 16 * 14 * 14 * 4
+    assert rows[1]["output_bytes"] == 4 * 10 * 4
+    # ReLU saves its 4x16x28x28 output; the pool saves input and indices; conv saves its input
+    assert rows[0]["activation_bytes"] >= 4 * 16 * 28 * 28 * 4 + x.numel() * 4
+    relu_only = stages.saved_bytes(torch.nn.ReLU(), torch.randn(10, 10, requires_grad=True))[1]
+    assert relu_only == 400
+
+
+def test_bubble_formula_is_the_simulated_idle_time():
+    for S in (2, 3, 4):
+        for M in (1, 2, 4, 8):
+            slots = schedules.simulate(schedules.programs("gpipe", S, M), fwd=1, bwd=2)
+            assert schedules.idle_fraction(slots) == pytest.approx(schedules.bubble_fraction(S, M))
+            assert schedules.makespan(slots) == pytest.approx(3 * (M + S - 1))
+            one = schedules.simulate(schedules.programs("1f1b", S, M), fwd=1, bwd=2)
+            assert schedules.makespan(one) == pytest.approx(schedules.makespan(slots)), "same bubble"
+            assert schedules.predict_step([3.0] * S, M) == pytest.approx(3.0 * (M + S - 1) / M)
+
+
+def test_in_flight_activations_gpipe_holds_all_1f1b_holds_stages():
+    S, M = 4, 8
+    assert schedules.in_flight(schedules.simulate(schedules.programs("gpipe", S, M))) == [M] * S
+    assert schedules.in_flight(schedules.simulate(schedules.programs("1f1b", S, M))) == [S - s for s in range(S)]
+
+
+def test_programs_each_micro_batch_once_and_deadlock_detected():
+    for kind in schedules.KINDS:
+        for prog in schedules.programs(kind, 3, 5):
+            assert sorted(prog) == sorted([("F", i) for i in range(5)] + [("B", i) for i in range(5)])
+    with pytest.raises(ValueError, match="deadlock"):
+        schedules.simulate([[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]])
+    with pytest.raises(ValueError, match="kind"):
+        schedules.programs("zero-bubble", 2, 2)
+
+
+def test_table_and_timeline_show_the_schedule():
+    slots = schedules.simulate(schedules.programs("gpipe", 2, 2), fwd=1, bwd=1)
+    text = schedules.table(slots)
+    rows = [line.split()[2:] for line in text.splitlines()]
+    assert rows == [["F0", "F1", ".", ".", "B0", "B1"], [".", "F0", "F1", "B0", "B1", "."]], text
+    ax = schedules.draw_timeline(slots, "GPipe")
+    assert len(ax.collections) == len(slots) and "idle" in ax.get_title()
