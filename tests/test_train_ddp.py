@@ -77,6 +77,37 @@ def test_worker_killed_mid_run_restarts_and_ends_equal(reference, tmp_path):
     assert not _script_processes(path)
 
 
+def test_a_killed_kernel_takes_torchrun_along(tmp_path):
+    # a stand-in for a notebook kernel that dies (a restart, an OOM kill) while a node waits for its peer: alone,
+    # that node would wait for the rendezvous for up to 600 s
+    path = tmp_path / "orphan.pt"
+    cmd = torchrun.torchrun_command(["--smoke", "--checkpoint", path], nproc=1, nnodes=2,
+                                    endpoint=f"127.0.0.1:{free_port()}")
+    code = (f"import sys; sys.path.insert(0, {str(torchrun.SCRIPT.parent.parent)!r}); from helpers import torchrun; "
+            f"torchrun.run({{'node0': {[str(a) for a in cmd]!r}}}, timeout=300)")
+    kernel = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def started():  # what the kernel started, not the kernel (its own command line names the path too)
+        return [p for p in _script_processes(path) if p.pid != kernel.pid]
+
+    try:
+        deadline = time.monotonic() + 60
+        while not any("torch.distributed.run" in p.cmdline() for p in started()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(2)  # torchrun's agent reaches the rendezvous and waits there
+        assert started(), "torchrun did not start"
+    finally:
+        kernel.kill()
+        kernel.wait()
+    deadline = time.monotonic() + 15
+    while started() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = started()
+    for proc in left:
+        proc.kill()
+    assert not left, f"{len(left)} processes outlived their kernel"
+
+
 def _plain(*args, timeout=120):
     return subprocess.run([sys.executable, SCRIPT, *map(str, args)], capture_output=True, text=True, timeout=timeout)
 
