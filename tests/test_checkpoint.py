@@ -114,6 +114,7 @@ while True:
 def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     path = tmp_path / "c.pt"
     model = torch.nn.Linear(2000, 4000)
+    torch.nn.init.constant_(model.weight, 0.0)  # version 0 is all zeros, like every later version i is all i
     checkpoint.save(path, model, version=0)
     rng = random.Random(0)
     left_temporary = 0
