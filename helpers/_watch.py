@@ -78,10 +78,17 @@ def exit_text(code: int) -> str:
 
 
 def timeout_text(stuck, timeout, procs, last, stack_files) -> str:
-    for r in stuck:
-        if procs[r].exitcode is None:
-            os.kill(procs[r].pid, signal.SIGUSR1)  # each rank's faulthandler writes its stack
-    time.sleep(0.3)
+    signalled = [r for r in stuck if procs[r].exitcode is None]
+    for r in signalled:
+        os.kill(procs[r].pid, signal.SIGUSR1)  # each rank's faulthandler writes its stack
+    # wait until every stack is written (its size stops growing), up to 5 s on a busy machine
+    sizes, deadline = None, time.monotonic() + 5
+    while signalled and time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = [os.fstat(stack_files[r].fileno()).st_size for r in signalled]
+        if all(now) and now == sizes:
+            break
+        sizes = now
     parts = [f"ranks {stuck} did not finish in time (timeout={timeout:g} s); all ranks were stopped. A rank "
              "waiting in a collective (all_reduce, barrier) usually means another rank skipped it or died; "
              "if the work is just slow, pass a larger timeout to launch."]

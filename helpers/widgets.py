@@ -141,8 +141,8 @@ class ExperimentPanel:
         with self._lock:
             if self._busy:
                 raise RuntimeError("this panel is already running: press Stop, or wait for the run to end")
+            self._stop.clear()  # before _busy: a Stop that comes once the run counts as busy is never lost
             self._busy = True
-        self._stop.clear()
         self.button.disabled = self.clear_button.disabled = True
         self.stop_button.disabled = not self.takes_stop
         self.status.value = "running… (Stop ends it)" if self.takes_stop else \

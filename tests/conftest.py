@@ -1,4 +1,7 @@
-"""Shared by the FSDP tests: a tiny image set and the smallest BlockStack that still has two blocks to shard."""
+"""Shared by the tests: waiting for something with a deadline; for the FSDP tests, a tiny image set and the
+smallest BlockStack that still has two blocks to shard."""
+
+import time
 
 import pytest
 import torch
@@ -13,3 +16,19 @@ def dataset():
     """256 random 28x28 images with labels, seeded."""
     g = torch.Generator().manual_seed(0)
     return TensorDataset(torch.randn(256, 1, 28, 28, generator=g), torch.randint(0, 10, (256,), generator=g))
+
+
+def wait_until(condition, timeout: float, what: str, interval: float = 0.1, on_timeout=None):
+    """condition()'s first truthy value, polled every interval seconds; AssertionError naming what after timeout.
+
+    The deadlines are generous on purpose: CI's two cores are shared with ranks, kernels and a browser."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            if on_timeout is not None:
+                on_timeout()
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)

@@ -32,6 +32,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from conftest import wait_until
+
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 ARTEFACTS = Path(os.environ.get("BROWSER_ARTEFACTS", ROOT / ".pytest_cache" / "browser"))
@@ -105,13 +107,13 @@ class Lab:
     def api(self, path: str, method: str = "GET"):
         request = urllib.request.Request(f"{self.url}/api/{path}", method=method,
                                          headers={"Authorization": f"token {self.token}"})
-        with urllib.request.urlopen(request, timeout=10) as response:
+        with urllib.request.urlopen(request, timeout=60) as response:
             body = response.read()
         return json.loads(body) if body else None
 
     def kernels(self) -> list[psutil.Process]:
-        return [p for p in psutil.Process(self.proc.pid).children()
-                if any("ipykernel" in part for part in p.cmdline())]
+        return [p for p in psutil.Process(self.proc.pid).children() if _alive_and(p, lambda p: any(
+            "ipykernel" in part for part in p.cmdline()))]
 
     def shutdown_kernels(self) -> None:
         for kernel in self.api("kernels"):
@@ -159,16 +161,9 @@ def _shot(page, name: str) -> None:
 
 
 def _wait(condition, timeout: float, what: str, page=None, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            if page is not None:
-                _shot(page, "timeout-" + re.sub(r"\W+", "-", what)[:60])
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
+    """wait_until, with a screenshot of the page when it times out."""
+    shot = None if page is None else lambda: _shot(page, "timeout-" + re.sub(r"\W+", "-", what)[:60])
+    return wait_until(condition, timeout, what, interval, shot)
 
 
 def _prompts(page) -> list[str]:
@@ -258,7 +253,16 @@ def _progress(panel) -> str:
 
 def _ranks(lab: Lab, before: set[int]) -> list[psutil.Process]:
     kernel = _wait(lab.kernels, 10, "the kernel process")[0]
-    return [p for p in kernel.children(recursive=True) if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE]
+    return [p for p in kernel.children(recursive=True)
+            if p.pid not in before and _alive_and(p, lambda p: p.status() != psutil.STATUS_ZOMBIE)]
+
+
+def _alive_and(p: psutil.Process, check) -> bool:
+    """check(p), or False for a process that ended in the meantime (06's DataLoader workers come and go)."""
+    try:
+        return check(p)
+    except psutil.Error:
+        return False
 
 
 @dataclass(frozen=True)

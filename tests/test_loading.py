@@ -60,13 +60,13 @@ def test_measure_counts_starting_the_workers_as_waiting():
 
     run = loading.measure(SlowStart(), step=lambda x, y: None, epochs=2)
     assert run.wait_s >= 0.4 and run.first_batch_s >= 0.2
-    assert abs(run.wait_s + run.compute_s - run.seconds) < 0.01
+    assert 0 <= run.seconds - (run.wait_s + run.compute_s) < 0.1, "iter()'s time is counted as waiting"
 
 
 def test_measure_sees_a_slow_step_as_compute():
     import time
-    run = loading.measure(loading.make_loader(tiny(16), batch_size=8), step=lambda x, y: time.sleep(0.1))
-    assert run.compute_s >= 0.2 and run.wait_fraction < 0.5
+    run = loading.measure(loading.make_loader(tiny(16), batch_size=8), step=lambda x, y: time.sleep(0.5))
+    assert run.compute_s >= 1.0 and run.wait_fraction < 0.5
 
 
 def test_measure_stops_on_request():

@@ -8,8 +8,12 @@ import torch
 from torch.utils.data import TensorDataset
 
 import helpers
+from conftest import wait_until
 from helpers import data, models, train
 from helpers.widgets import ExperimentPanel, Run, run_labels
+
+
+STEPPED = threading.Event()  # set by slow_run after its first step
 
 
 def slow_run(a, stop):
@@ -19,15 +23,19 @@ def slow_run(a, stop):
         if stop.is_set():
             raise helpers.Stopped(f"stopped after {step} steps", partial=done)
         done.append((step, float(a)))
+        STEPPED.set()
         time.sleep(0.01)
     return done
 
 
-def wait_for(condition, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
+def once_stepping(action):
+    """Calls action (a Stop click, ■) from another thread once slow_run has taken a step, however slow the machine."""
+    STEPPED.clear()
+
+    def go():
+        if STEPPED.wait(60):
+            action()
+    threading.Thread(target=go, daemon=True).start()
 
 
 def test_a_stopped_run_whose_partial_is_not_a_result_is_not_drawn():
@@ -75,10 +83,10 @@ def test_panel_errors_raise_from_code_and_are_shown_on_click():
 
 def test_a_click_runs_in_the_panels_thread_and_stop_ends_it():
     panel = ExperimentPanel("t", {"a": w.IntSlider(value=1)}, slow_run, compare=lambda points: points)
+    STEPPED.clear()
     panel.button.click()  # returns at once: the click's handler must stay free to hear Stop
     assert panel.running and panel.button.disabled and not panel.stop_button.disabled
-    wait_for(lambda: panel._thread is not None)
-    time.sleep(0.1)
+    assert STEPPED.wait(60), "the run never took a step"
     start = time.monotonic()
     panel.stop_button.click()
     assert panel.wait(20) and time.monotonic() - start < 10, "Stop must end the run within seconds"
@@ -90,16 +98,16 @@ def test_a_click_runs_in_the_panels_thread_and_stop_ends_it():
     assert not panel.button.disabled and panel.stop_button.disabled
     # Run works again, and the next run gets a fresh (unset) stop event
     panel.controls["a"].value = 2
+    STEPPED.clear()
     panel.button.click()
-    time.sleep(0.1)
-    assert panel.running
+    assert panel.running and STEPPED.wait(60), "a stop event left set would end the run before its first step"
     panel.stop()
-    assert panel.wait(5) and [r.values["a"] for r in panel.runs] == [1, 2]
+    assert panel.wait(20) and [r.values["a"] for r in panel.runs] == [1, 2]
 
 
 def test_stop_reaches_a_run_started_from_code():
     panel = ExperimentPanel("t", {"a": w.IntSlider(value=1)}, slow_run)
-    threading.Timer(0.2, panel.stop_button.click).start()  # a click arrives on another thread (a subshell)
+    once_stepping(panel.stop_button.click)  # a click arrives on another thread (a subshell)
     start = time.monotonic()
     with pytest.raises(helpers.Stopped, match="stopped after"):
         panel.run()
@@ -163,7 +171,7 @@ def test_what_a_clicked_run_prints_or_displays_lands_in_its_panel_and_nothing_el
 
     panel = ExperimentPanel("t", {"a": w.IntSlider(value=1)}, chatty)
     panel.button.click()
-    wait_for(lambda: len(panel.output.outputs) == 2)
+    wait_until(lambda: len(panel.output.outputs) == 2, 30, "both outputs")
     print("a cell's line, meanwhile")
     shell.display_pub.publish({"text/plain": "a cell's figure"})
     gate.set()
@@ -211,7 +219,7 @@ def test_a_panel_stops_real_training_between_steps():
     panel = ExperimentPanel("t", {"epochs": w.IntText(value=1000)}, fit_run,
                             compare=lambda rows: [(r["epoch"], r["test_loss"]) for r in rows])
     panel.button.click()
-    wait_for(lambda: panel.status.value.startswith("running"))
+    wait_until(lambda: panel.status.value.startswith("running"), 30, "the run to start")
     time.sleep(1.0)
     start = time.monotonic()
     panel.stop()
@@ -227,12 +235,12 @@ def test_interrupting_the_cell_that_runs_panel_run_works_and_leaves_the_panel_re
     import _thread
 
     panel = ExperimentPanel("t", {"a": w.IntSlider(value=1)}, slow_run)
-    threading.Timer(0.2, _thread.interrupt_main).start()  # what ■ does to the cell: SIGINT → KeyboardInterrupt
+    once_stepping(_thread.interrupt_main)  # what ■ does to the cell: SIGINT → KeyboardInterrupt
     start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         panel.run()
     assert time.monotonic() - start < 10 and "KeyboardInterrupt" in panel.status.value
     assert not panel.running and not panel.button.disabled and panel.stop_button.disabled
-    threading.Timer(0.2, panel.stop).start()
+    once_stepping(panel.stop)
     with pytest.raises(helpers.Stopped):
         panel.run()  # and the next run starts
