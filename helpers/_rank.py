@@ -6,7 +6,6 @@ import ctypes
 import faulthandler
 import io
 import os
-import pickle
 import signal
 import socket
 import sys
@@ -114,14 +113,18 @@ def _hint(err: BaseException) -> str:
         return "\nFix: the NVIDIA driver is older than torch's CUDA build; see helpers.devices.driver_check()."
     if "Duplicate GPU" in text:
         return "\nFix: NCCL needs one GPU per rank; use backend='gloo' or fewer ranks."
+    if "EADDRINUSE" in text or "address already in use" in text.lower():
+        return ("\nFix: another program took the port that launch had picked before rank 0 could open it; "
+                "run the cell again (launch picks a new free port each time).")
     if "default process group has not been initialized" in text:
         return "\nFix: launch with init=True (the default), or call init_process_group in fn."
     return ""
 
 
-def child_main(fn, rank, world_size, args, plan, port, queue, stack_file, init, timeout, parent_pid):
+def child_main(fn, rank, world_size, args, plan, port, queue, stack_file, result_file, init, timeout, parent_pid):
     """Body of a forked rank: isolate, set up, run ``fn``, send back its result or error."""
     global _QUEUE, _RANK, _DEVICE
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # not the parent's handler of the moment (deferred)
     os.setpgrp()  # its own process group, so the parent can kill it with its DataLoader workers
     _die_with_parent(parent_pid)
     _QUEUE, _RANK = queue, rank
@@ -145,9 +148,13 @@ def child_main(fn, rank, world_size, args, plan, port, queue, stack_file, init, 
         if dist.is_initialized():  # fn may have torn the group down itself, as scripts do
             dist.barrier()
             dist.destroy_process_group()
-        payload = pickle.dumps(_to_cpu(result))
+        # into the rank's own file, not the queue: a rank killed in the middle of a large pipe write would leave
+        # the parent waiting for the rest of the message. torch.save, so that the parent can load every tensor,
+        # however deeply nested, onto the CPU (map_location) without starting CUDA in the notebook.
+        torch.save(_to_cpu(result), result_file)
+        result_file.flush()
         sys.stdout.flush()
-        queue.put(("result", rank, payload))
+        queue.put(("result", rank))
     except BaseException as err:  # everything, KeyboardInterrupt included, goes to the parent
         sys.stdout.flush()
         queue.put(("error", rank, f"{type(err).__name__}: {err}", traceback.format_exc() + _hint(err)))

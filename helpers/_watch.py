@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import os
-import pickle
 import queue as queue_lib
 import signal
 import time
+
+import torch
 
 
 class Watcher:
     """The parent's side of the queue: prints, events, progress, results."""
 
-    def __init__(self, world_size, on_event, progress):
+    def __init__(self, world_size, on_event, progress, result_files):
         self.results = [None] * world_size
+        self.result_files = result_files  # rank r writes its result into result_files[r], then says "result"
         self.done: set[int] = set()
         self.failures: dict[int, str] = {}  # rank → what went wrong, in order of arrival
         self.last: dict[int, dict] = {}
@@ -29,7 +31,9 @@ class Watcher:
             if self.on_event is not None:
                 self.on_event(rank, msg[2])
         elif kind == "result":
-            self.results[rank] = pickle.loads(msg[2])
+            f = self.result_files[rank]
+            f.seek(0)
+            self.results[rank] = torch.load(f, map_location="cpu", weights_only=False)  # its own result: trusted
             self.done.add(rank)
         elif kind == "error":
             self.failures[rank] = f"rank {rank} failed: {msg[2]}\n--- traceback from rank {rank} ---\n{msg[3]}"
@@ -71,7 +75,10 @@ def drain(events, watcher: Watcher, seconds: float) -> None:
 
 def exit_text(code: int) -> str:
     if code < 0:
-        name = signal.Signals(-code).name
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:  # a real-time signal has no name
+            return f"killed by signal {-code}"
         why = " (the out-of-memory killer sends this)" if name == "SIGKILL" else ""
         return f"killed by {name}{why}"
     return f"exit code {code}"

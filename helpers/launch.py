@@ -176,16 +176,20 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, backend: str | No
     ctx = mp.get_context("fork")
     events = ctx.Queue()
     stack_files = [tempfile.TemporaryFile() for _ in range(world_size)]
+    result_files = [tempfile.TemporaryFile() for _ in range(world_size)]
     procs: list = []
-    watcher = Watcher(world_size, on_event, progress)
+    watcher = Watcher(world_size, on_event, progress, result_files)
     start = time.perf_counter()
     try:
-        for rank in range(world_size):
-            proc = ctx.Process(target=child_main, name=f"rank-{rank}",
-                               args=(fn, rank, world_size, args, plan, port, events,
-                                     stack_files[rank], init, timeout, os.getpid()))
-            proc.start()
-            procs.append(proc)
+        # a Ctrl-C inside fork() would be swallowed by an at-fork hook (which then never releases logging's lock),
+        # or would land before the new rank is in procs, where the clean-up cannot see it: hold it until all are in
+        with _interrupts_deferred():
+            for rank in range(world_size):
+                proc = ctx.Process(target=child_main, name=f"rank-{rank}",
+                                   args=(fn, rank, world_size, args, plan, port, events,
+                                         stack_files[rank], result_files[rank], init, timeout, os.getpid()))
+                proc.start()
+                procs.append(proc)
         _supervise(procs, events, watcher, start, timeout, stack_files, stop)
         return LaunchResult(watcher.results, plan, port, time.perf_counter() - start)
     except LaunchError as e:
@@ -200,11 +204,11 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, backend: str | No
         raise
     finally:
         with _interrupts_deferred():  # a second Ctrl-C must not cut the clean-up short
+            kill_all(procs)  # first: nothing after it (a progress bar closing, say) can keep a rank alive
             watcher.close()
-            kill_all(procs)
             events.close()
             events.cancel_join_thread()
-            for f in stack_files:
+            for f in stack_files + result_files:
                 f.close()
 
 

@@ -9,6 +9,7 @@ import signal
 import tempfile
 import threading
 import time
+import warnings
 
 import psutil
 
@@ -31,6 +32,11 @@ def kill_all(procs) -> None:
     deadline = time.monotonic() + 5
     while any(_group_alive(proc.pid) for proc in started) and time.monotonic() < deadline:
         time.sleep(0.01)  # SIGKILL is delivered at once, but dying takes a few milliseconds
+    left = [proc.pid for proc in started if _group_alive(proc.pid)]
+    if left:  # SIGKILL waits for a process stuck in the kernel (a GPU driver call, a hung disk): say so, never hide it
+        warnings.warn(f"the process groups of pids {left} were sent SIGKILL but still run after 15 s (stuck in the "
+                      "operating system, e.g. a GPU driver call); check nvidia-smi / ps, and restart the kernel "
+                      "if they hold a GPU", RuntimeWarning, stacklevel=2)
 
 
 class ChildDied(RuntimeError):
@@ -56,8 +62,11 @@ def call_in_child(fn, *args, timeout: float = 60.0, name: str = "child"):
     ctx = mp.get_context("fork")
     reader, writer = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_answer, args=(fn, args, writer), name=name)
-    proc.start()
-    writer.close()
+    try:
+        with _interrupts_deferred():  # a Ctrl-C inside fork() would be swallowed by an at-fork hook (see launch)
+            proc.start()
+    finally:
+        writer.close()
     try:
         if not reader.poll(timeout):
             raise TimeoutError(f"{name} did not answer within {timeout:g} s")
@@ -73,6 +82,7 @@ def call_in_child(fn, *args, timeout: float = 60.0, name: str = "child"):
 
 
 def _answer(fn, args, conn) -> None:
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # not the parent's handler of the moment (deferred)
     try:
         conn.send_bytes(pickle.dumps(fn(*args)))
         conn.close()

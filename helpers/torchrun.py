@@ -22,6 +22,8 @@ from pathlib import Path
 
 import psutil
 
+from .procs import _interrupts_deferred
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train_ddp.py"
 
 
@@ -125,11 +127,12 @@ def run(commands: dict, *, timeout: float = 300.0, env: dict | None = None, on_l
                     results[name].returncode = procs[name].wait(timeout=max(left, 1.0))
                     results[name].seconds = time.monotonic() - start
     finally:
-        for proc in procs.values():
-            kill_tree(proc.pid)
-            proc.stdout.close()
-            proc.wait()
-        sel.close()
+        with _interrupts_deferred():  # a second ■ must not leave torchruns running in their own sessions
+            for proc in procs.values():
+                kill_tree(proc.pid)
+                proc.stdout.close()
+                proc.wait()
+            sel.close()
     failed = {n: r for n, r in results.items() if r.returncode != 0}
     if check and failed:
         raise RunFailed(_failure("exited with " + ", ".join(f"{n}: code {r.returncode}" for n, r in failed.items()),

@@ -147,6 +147,10 @@ def run_script(mask: str, command: list[str], timeout: float = 120.0, check: boo
         proc.kill()
         out, _ = proc.communicate()
         raise TimeoutError(f"{command} under {VAR}={mask!r} did not finish in {timeout:g} s; output:\n{out}")
+    except BaseException:  # ■ on the cell: the script goes too, even one that ignores SIGINT
+        proc.kill()
+        proc.wait()
+        raise
     if proc.returncode != 0:
         raise RuntimeError(f"{command} under {VAR}={mask!r} failed (exit code {proc.returncode}):\n{out}")
     return ChildOutput(mask, None, out, proc.returncode)

@@ -143,16 +143,32 @@ class ExperimentPanel:
                 raise RuntimeError("this panel is already running: press Stop, or wait for the run to end")
             self._stop.clear()  # before _busy: a Stop that comes once the run counts as busy is never lost
             self._busy = True
-        self.button.disabled = self.clear_button.disabled = True
-        self.stop_button.disabled = not self.takes_stop
-        self.status.value = "running… (Stop ends it)" if self.takes_stop else \
-            "running… (this panel's run cannot be stopped: its function takes no <code>stop</code>)"
+        try:
+            self.button.disabled = self.clear_button.disabled = True
+            self.stop_button.disabled = not self.takes_stop
+            self.status.value = "running… (Stop ends it)" if self.takes_stop else \
+                "running… (this panel's run cannot be stopped: its function takes no <code>stop</code>)"
+        except BaseException:  # ■ while the widgets update: the panel must not stay "running" for good
+            self._busy = False
+            self.button.disabled = False
+            raise
 
-    def _execute(self, values: dict):
+    def _execute(self, values: dict, show_errors: bool = False):
+        """Run, keep and draw the result, set the status; only then is the panel free for the next Run.
+
+        ``show_errors`` (a click's run, which has no cell to raise into): print a stop or an error where the
+        run draws, before the panel is free, instead of raising it.
+        """
         start = time.perf_counter()
         try:
             kwargs = {**values, "stop": self._stop} if self.takes_stop else values
             result = self.run_fn(**kwargs)
+            seconds = time.perf_counter() - start
+            if self.compare is not None and self._points(result) is None:
+                raise TypeError(f"compare could not turn this run's result into (x, y) points: {str(result)[:100]}")
+            self._keep(Run(values, result, False, seconds))
+            self.status.value = f"done in {seconds:.1f} s"
+            return result
         except Stopped as e:
             seconds = time.perf_counter() - start
             points = self._points(e.partial)
@@ -161,19 +177,21 @@ class ExperimentPanel:
             drawn = bool(points)
             self.status.value = f"<b>stopped</b> after {seconds:.1f} s: {e}" + (
                 "; what was done so far is drawn below" if drawn else "")
-            raise
+            if not show_errors:
+                raise
+            print(f"stopped: {e}")
         except BaseException as e:
             self.status.value = f"<span style='color:#b00'>{type(e).__name__}: {str(e)[:200]}</span>"
-            raise
+            if not show_errors or not isinstance(e, Exception):
+                raise
+            traceback.print_exc()
         finally:
-            self.button.disabled = False
-            self.stop_button.disabled = True
-            self.clear_button.disabled = not self.runs
-            self._busy = False
-        seconds = time.perf_counter() - start
-        self._keep(Run(values, result, False, seconds))
-        self.status.value = f"done in {seconds:.1f} s"
-        return result
+            try:
+                self.button.disabled = False
+                self.stop_button.disabled = True
+                self.clear_button.disabled = not self.runs
+            finally:
+                self._busy = False  # last, and whatever happened above: the panel is free again
 
     def _points(self, partial) -> list[tuple[float, float]] | None:
         """A stopped run's partial result as ``compare`` points, or None when it is not shaped as a result.
@@ -222,12 +240,7 @@ class ExperimentPanel:
 
     def _run_in_panel(self, values: dict) -> None:
         with routed_to(self.output):
-            try:
-                self._execute(values)
-            except Stopped as e:
-                print(f"stopped: {e}")
-            except Exception:  # a click has no cell to raise into: show the error where the run draws
-                traceback.print_exc()
+            self._execute(values, show_errors=True)
 
     def clear(self) -> None:
         """Forget the kept runs (what the Clear runs button does)."""

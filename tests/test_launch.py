@@ -1,5 +1,7 @@
 """helpers.launch: results, failures, hangs, interrupts, and never an orphan."""
 
+import collections
+import dataclasses
 import os
 import signal
 import socket
@@ -346,3 +348,87 @@ def test_call_in_child_returns_the_value_and_names_deaths_and_hangs():
     with pytest.raises(TimeoutError, match="sleeper did not answer within 1 s"):
         call_in_child(time.sleep, 60, timeout=1, name="sleeper")
     assert time.perf_counter() - start < 10
+
+
+Pair = collections.namedtuple("Pair", "rank big")
+
+
+@dataclasses.dataclass
+class Box:
+    pair: Pair
+    note: str
+
+
+def big_nested_result(rank, world_size):
+    # 32 MB per rank, more than a pipe holds, inside a dataclass and a namedtuple (which _to_cpu does not open)
+    return Box(Pair(rank, torch.full((8_000_000,), float(rank))), note=f"from {rank}")
+
+
+def test_large_and_nested_results_come_back_whole():
+    out = L.launch(big_nested_result, 2, quiet=True, progress=False)
+    for rank, box in enumerate(out):
+        assert isinstance(box, Box) and isinstance(box.pair, Pair) and box.note == f"from {rank}"
+        assert box.pair.big.shape == (8_000_000,) and torch.all(box.pair.big == rank)
+
+
+def naps(rank, world_size):
+    time.sleep(20)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # a ■ that lands in a GC finalizer
+def test_ctrl_c_during_the_forks_is_heard_and_kills_every_rank(monkeypatch):
+    # ■ pressed while the ranks are being forked. Undeferred, a SIGINT inside fork() is swallowed by an at-fork
+    # hook (the ■ is lost: the run goes on), or it lands before the new rank is in launch's list (an orphan that
+    # the clean-up cannot see). Measured without the deferral, 6 tries: 2 lost, 3 orphans, 1 right.
+    import threading
+
+    seen = []
+
+    def first_raises(signum, frame):  # the kernel's handler, except that only the first ■ counts
+        seen.append(signum)
+        if len(seen) == 1:
+            raise KeyboardInterrupt
+
+    storm_over, storms = threading.Event(), []
+
+    def storm(children_before):  # SIGINT every millisecond from the first fork on, while the others are forked
+        me = psutil.Process()
+        while len(me.children()) <= children_before and not storm_over.wait(0.0005):
+            pass
+        while not storm_over.wait(0.001):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def calm():
+        storm_over.set()
+        for thread in storms:
+            thread.join()
+        storms.clear()
+        storm_over.clear()
+
+    class StormingWatcher(L.Watcher):
+        def __init__(self, *args):  # launch builds its watcher just before it forks the ranks
+            super().__init__(*args)
+            storms.append(threading.Thread(target=storm, args=(len(psutil.Process().children()),), daemon=True))
+            storms[-1].start()
+
+        def close(self):  # launch's clean-up, Ctrl-C deferred: the storm ends here, before the handler is back
+            calm()
+            super().close()
+
+    monkeypatch.setattr(L, "Watcher", StormingWatcher)
+    previous = signal.signal(signal.SIGINT, first_raises)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    try:
+        for _ in range(5):
+            seen.clear()
+            start = time.monotonic()
+            with pytest.raises(KeyboardInterrupt):
+                L.launch(naps, 4, quiet=True, progress=False)
+            calm()
+            assert time.monotonic() - start < 15, "the ■ was lost: launch went on until the ranks were done"
+            left = [p for p in psutil.Process().children(recursive=True)
+                    if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE]
+            assert left == [], f"ranks outlived the interrupted launch: {left}"
+    finally:
+        calm()  # no SIGINT may reach pytest's own handler
+        signal.signal(signal.SIGINT, previous)
