@@ -78,25 +78,36 @@ class Lab:
         # every cell in the page, so that no error output hides in a cell scrolled out of view
         self._write(settings / "@jupyterlab/notebook-extension/tracker.jupyterlab-settings", {"windowingMode": "none"})
         self.token = os.urandom(16).hex()
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "SMOKE_TEST": BROWSER_SMOKE, "JUPYTERLAB_SETTINGS_DIR": str(settings),
                "JUPYTER_RUNTIME_DIR": str(workdir / "runtime"), "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip", "127.0.0.1", f"--port={self.port}",
-               f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={workdir}",
-               f"--LabApp.workspaces_dir={workdir / 'workspaces'}"]
-        if os.geteuid() == 0:
-            cmd.append("--allow-root")  # containers often run as root; Jupyter refuses it otherwise
         self.log = open(workdir / "jupyter.log", "w")
-        self.proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
+        for attempt in range(3):
+            # the port is free now, but another program may take it before Lab binds it: with no port retries,
+            # Lab then exits at once (instead of moving to a port this test would not know), and starts again
+            self.port = _free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip", "127.0.0.1",
+                   f"--port={self.port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
+                   f"--ServerApp.root_dir={workdir}", f"--LabApp.workspaces_dir={workdir / 'workspaces'}"]
+            if os.geteuid() == 0:
+                cmd.append("--allow-root")  # containers often run as root; Jupyter refuses it otherwise
+            self.proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+            if self._started(timeout=60):
+                return
+        raise RuntimeError(f"JupyterLab did not start in 3 tries; see {workdir / 'jupyter.log'}")
+
+    def _started(self, timeout: float) -> bool:
+        """True once Lab answers; False when it exited (its port was taken); an error after timeout seconds."""
+        deadline = time.monotonic() + timeout
         while True:
             try:
-                self.api("status")
-                break
+                self.api("status", timeout=5)  # short: on a taken port, another program may never answer
+                return True
             except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"JupyterLab did not start; see {workdir / 'jupyter.log'}") from None
+                if self.proc.poll() is not None:
+                    return False
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"JupyterLab did not answer in {timeout:g} s; see {self.workdir}/jupyter.log")
                 time.sleep(0.3)
 
     @staticmethod
@@ -104,10 +115,10 @@ class Lab:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(obj))
 
-    def api(self, path: str, method: str = "GET"):
+    def api(self, path: str, method: str = "GET", timeout: float = 60):  # a kernel's DELETE waits for it to exit
         request = urllib.request.Request(f"{self.url}/api/{path}", method=method,
                                          headers={"Authorization": f"token {self.token}"})
-        with urllib.request.urlopen(request, timeout=60) as response:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             body = response.read()
         return json.loads(body) if body else None
 
