@@ -181,8 +181,8 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, backend: str | No
     watcher = Watcher(world_size, on_event, progress, result_files)
     start = time.perf_counter()
     try:
-        # a Ctrl-C inside fork() would be swallowed by an at-fork hook (which then never releases logging's lock),
-        # or would land before the new rank is in procs, where the clean-up cannot see it: hold it until all are in
+        # a Ctrl-C inside fork() would be swallowed by an at-fork hook (the ■ is lost, the run goes on), or would
+        # land before the new rank is in procs, where the clean-up cannot see it: hold it until all ranks are in
         with _interrupts_deferred():
             for rank in range(world_size):
                 proc = ctx.Process(target=child_main, name=f"rank-{rank}",
