@@ -23,20 +23,18 @@ lab: $(STAMP)
 # ends each phase of `make test` after 40 minutes instead of running on (where GNU timeout exists).
 GUARD := $(shell command -v timeout >/dev/null 2>&1 && echo timeout --kill-after=30 2400)
 
-# Smoke mode shrinks every notebook's sizes so the suite runs in minutes on 2 CPU cores.
-test: $(STAMP)
-	$(GUARD) $(PY) -m pytest tests/
-	SMOKE_TEST=1 $(GUARD) $(PY) -m pytest --nbmake --nbmake-timeout=600 notebooks/
+test: unit notebooks
 
 unit: $(STAMP)
-	$(PY) -m pytest tests/
+	$(GUARD) $(PY) -m pytest tests/
 
 # JupyterLab in headless chromium: Run All in every notebook, then the panels clicked (also part of `make test`).
 browser: $(STAMP)
 	$(PY) -m pytest -s tests/test_browser.py
 
+# Smoke mode shrinks every notebook's sizes so the suite runs in minutes on 2 CPU cores.
 notebooks: $(STAMP)
-	SMOKE_TEST=1 $(PY) -m pytest --nbmake --nbmake-timeout=600 notebooks/
+	SMOKE_TEST=1 $(GUARD) $(PY) -m pytest --nbmake --nbmake-timeout=600 notebooks/
 
 bench: $(STAMP)
 	$(PY) scripts/bench_train_loop.py

@@ -426,8 +426,7 @@ def test_ctrl_c_during_the_forks_is_heard_and_kills_every_rank(monkeypatch):
                 L.launch(naps, 4, quiet=True, progress=False)
             calm()
             assert time.monotonic() - start < 15, "the ■ was lost: launch went on until the ranks were done"
-            left = [p for p in psutil.Process().children(recursive=True)
-                    if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE]
+            left = alive([p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before])
             assert left == [], f"ranks outlived the interrupted launch: {left}"
     finally:
         calm()  # no SIGINT may reach pytest's own handler
