@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: lab test unit notebooks browser bench clean-outputs clean
+.PHONY: lab test unit notebooks browser bench export audit clean-outputs clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,14 @@ notebooks: $(STAMP)
 bench: $(STAMP)
 	$(PY) scripts/bench_train_loop.py
 	$(PY) scripts/bench_launch.py
+
+# Code a notebook introduces (cells whose first line is `#| export helpers/<module>.py`) is written into helpers/.
+export:
+	$(PYTHON) scripts/export.py
+
+# Per notebook: reading words, share in code strings, figures, links, exercises, solutions; lessons off the page.
+audit:
+	$(PYTHON) scripts/course_audit.py
 
 clean-outputs: $(STAMP)
 	$(VENV)/bin/jupyter nbconvert --clear-output --inplace notebooks/*.ipynb

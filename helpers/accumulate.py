@@ -29,7 +29,7 @@ class AllReduceCounter:
     """A DDP comm hook that counts the bucket all-reduces, then does the default all-reduce.
 
     Register with ``ddp.register_comm_hook(counter, AllReduceCounter.hook)``.
-    Introduced in notebooks/04-ddp-in-practice.ipynb.
+    Introduced in notebooks/04-ddp-habits.ipynb.
     """
 
     def __init__(self):
@@ -51,7 +51,7 @@ def accumulate_steps(rank: int, world_size: int, dataset, steps: int, k: int, mi
     backward passes skip the all-reduce. Returns the final parameters and the
     all-reduces counted per optimizer step. The same as one process with
     batch W·k·micro_batch (``ddp.reference_rank``), step for step.
-    Introduced in notebooks/04-ddp-in-practice.ipynb.
+    Introduced in notebooks/04-ddp-habits.ipynb.
     """
     positive_int("k", k)
     positive_int("steps", steps)

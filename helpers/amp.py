@@ -26,7 +26,7 @@ from .train import evaluate, full_fp32, make_scaler, train_one_epoch
 class WideMLP(nn.Module):
     """784 → hidden → … → 10 with ReLUs: big matrix multiplies, the work 16-bit units speed up.
 
-    Introduced in notebooks/04-ddp-in-practice.ipynb.
+    Introduced in notebooks/04-ddp-habits.ipynb.
     """
 
     def __init__(self, hidden: int = 4096, layers: int = 3):
@@ -42,7 +42,7 @@ class WideMLP(nn.Module):
 def bench_model(device) -> tuple[nn.Module, str]:
     """The model the AMP comparison trains on ``device``, and why that one.
 
-    Introduced in notebooks/04-ddp-in-practice.ipynb.
+    Introduced in notebooks/04-ddp-habits.ipynb.
     """
     if torch.device(device).type == "cuda":
         return WideMLP(), ("a wide MLP (3 x 4096 hidden, ~37M parameters): the course's ConvNet is launch-bound on a "
@@ -56,7 +56,7 @@ def modes_for(device) -> list[str]:
 
     fp16 autocast on a CPU ran ~125x slower than fp32 (FACTS.md), and a GPU
     without bf16 support (before Ampere) skips bf16.
-    Introduced in notebooks/04-ddp-in-practice.ipynb.
+    Introduced in notebooks/04-ddp-habits.ipynb.
     """
     device = torch.device(device)
     if device.type != "cuda":
@@ -101,7 +101,7 @@ def amp_compare(rank: int, world_size: int, train_set, test_set, steps: int, bat
     rounds (median and spread). Memory (GPU only): peak allocated during a few
     steps. Meant for ``launch(amp_compare, 1, ...)``. fp32 means full fp32
     (TF32 off).
-    Introduced in notebooks/04-ddp-in-practice.ipynb.
+    Introduced in notebooks/04-ddp-habits.ipynb.
     """
     positive_int("steps", steps)
     device = rank_device()

@@ -28,7 +28,7 @@ def epoch_orders(n: int, world_size: int, epochs: int, *, set_epoch: bool = True
 
     With ``set_epoch`` the sampler is told the epoch before each pass (as a
     training loop should); without, it deals the same shuffle every epoch.
-    Introduced in notebooks/04-ddp-in-practice.ipynb.
+    Introduced in notebooks/04-ddp-habits.ipynb.
     """
     positive_int("epochs", epochs)
     samplers = [shard_sampler(range(n), r, world_size, seed) for r in range(world_size)]
@@ -46,7 +46,7 @@ class RandomFlip:
 
     It stands for any random augmentation: it makes the run depend on each
     rank's random generator, which a checkpoint must therefore save.
-    Introduced in notebooks/04-ddp-in-practice.ipynb.
+    Introduced in notebooks/04-ddp-habits.ipynb.
     """
 
     def __init__(self, loader):
@@ -72,7 +72,7 @@ def train_epochs(rank: int, world_size: int, dataset, epochs: int, batch_size: i
     ``restore_rng=False`` the random generators are not restored (to show
     why they are saved). Full float32. Returns the final parameters, the
     epochs this launch trained and their mean losses.
-    Introduced in notebooks/04-ddp-in-practice.ipynb.
+    Introduced in notebooks/04-ddp-habits.ipynb.
     """
     positive_int("epochs", epochs)
     positive_number("lr", lr)

@@ -36,7 +36,7 @@ from .train import full_fp32, sync
 class Block(nn.Module):
     """A pre-norm residual MLP block, x + W2·gelu(W1·LayerNorm(x)): a transformer block without attention.
 
-    Introduced in notebooks/09-fsdp.ipynb.
+    Introduced in notebooks/11-fsdp.ipynb.
     """
 
     def __init__(self, width: int):
@@ -52,7 +52,7 @@ class Block(nn.Module):
 class BlockStack(nn.Module):
     """Flattened 28x28 image → Linear to ``width`` → ``blocks`` Blocks → Linear to 10 classes.
 
-    Introduced in notebooks/09-fsdp.ipynb.
+    Introduced in notebooks/11-fsdp.ipynb.
     """
 
     def __init__(self, width: int = 128, blocks: int = 4, d_in: int = 784, classes: int = 10):
@@ -71,7 +71,7 @@ class BlockStack(nn.Module):
 def block_stack_params(width: int, blocks: int, d_in: int = 784, classes: int = 10) -> int:
     """``BlockStack``'s parameter count by hand: embed, blocks of 8·w² + 7·w (two Linears + LayerNorm), head.
 
-    Introduced in notebooks/09-fsdp.ipynb.
+    Introduced in notebooks/11-fsdp.ipynb.
     """
     return (d_in + 1) * width + blocks * (8 * width * width + 7 * width) + (width + 1) * classes
 
@@ -82,7 +82,7 @@ def shard(model: BlockStack, mesh, *, reshard_after_forward: bool = True, mixed:
     One unit per block lets FSDP gather one block's parameters at a time (and
     free them after, with ``reshard_after_forward``). ``mixed`` computes in
     bfloat16 (parameters gathered in bf16) and reduces gradients in float32.
-    Introduced in notebooks/09-fsdp.ipynb.
+    Introduced in notebooks/11-fsdp.ipynb.
     """
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed
               else MixedPrecisionPolicy())
@@ -95,7 +95,7 @@ def shard(model: BlockStack, mesh, *, reshard_after_forward: bool = True, mixed:
 def global_batches(n: int, steps: int, global_batch: int, seed: int = 0) -> torch.Tensor:
     """Sample indices of ``steps`` global batches from one seeded shuffle, shape (steps, global_batch).
 
-    Introduced in notebooks/09-fsdp.ipynb.
+    Introduced in notebooks/11-fsdp.ipynb.
     """
     if steps * global_batch > n:
         raise ValueError(f"{steps} steps of {global_batch} samples need more than the {n} samples")
@@ -141,7 +141,7 @@ def train_rank(rank: int, world_size: int, dataset, steps: int, global_batch: in
     step, the parameter bytes held in full right after a forward pass, and peak
     GPU memory (None on CPU). Full float32 (TF32 off) unless ``mixed``.
     ``on_cpu`` keeps the rank on the CPU whatever the plan says.
-    Introduced in notebooks/09-fsdp.ipynb.
+    Introduced in notebooks/11-fsdp.ipynb.
     """
     if mode not in ("fsdp", "ddp", "single"):
         raise ValueError(f"mode must be 'fsdp', 'ddp' or 'single', got {mode!r}")
@@ -219,7 +219,7 @@ def launch_fsdp(fn, world_size: int, *args, **kw):
     on the torch build. Rather than guess, try it; on failure print the error's
     first line and rerun with ``on_cpu=True`` (``fn`` must accept it). Returns
     ``(results, where)``, ``where`` a sentence saying which devices were used.
-    Introduced in notebooks/09-fsdp.ipynb.
+    Introduced in notebooks/11-fsdp.ipynb.
     """
     plan = devices.plan(world_size)
     try:

@@ -36,7 +36,7 @@ from .train import full_fp32, sync
 def keras_torch():
     """Import Keras with the torch backend and return it; refuse clearly when another backend is set or loaded.
 
-    Introduced in notebooks/10-keras-on-torch.ipynb.
+    Introduced in notebooks/12-keras-on-torch.ipynb.
     """
     wanted = os.environ.setdefault("KERAS_BACKEND", "torch")
     if wanted != "torch":
@@ -56,7 +56,7 @@ def get_model(dropout: float = 0.5, seed: int = 0):
     Input is (28, 28, 1), channels last as Keras expects. The guide's
     ``Rescaling(1/255)`` is left out: ``helpers.data`` already normalises.
     ``seed`` fixes the initial weights, so every rank builds the same model.
-    Introduced in notebooks/10-keras-on-torch.ipynb.
+    Introduced in notebooks/12-keras-on-torch.ipynb.
     """
     keras = keras_torch()
     layers = keras.layers
@@ -83,7 +83,7 @@ def get_model(dropout: float = 0.5, seed: int = 0):
 def channels_last(dataset: TensorDataset) -> TensorDataset:
     """The same images as (N, 28, 28, 1) for Keras (``helpers.data`` serves torch's (N, 1, 28, 28)).
 
-    Introduced in notebooks/10-keras-on-torch.ipynb.
+    Introduced in notebooks/12-keras-on-torch.ipynb.
     """
     x, y = dataset.tensors
     return TensorDataset(x.permute(0, 2, 3, 1).contiguous(), y)
@@ -94,7 +94,7 @@ def weights(model, trainable: bool) -> dict:
 
     With ``trainable=False`` these are BatchNormalization's moving means and
     variances (the dropout's integer seed state is left out).
-    Introduced in notebooks/10-keras-on-torch.ipynb.
+    Introduced in notebooks/12-keras-on-torch.ipynb.
     """
     chosen = model.trainable_variables if trainable else model.non_trainable_variables
     return {v.path: v.value.detach().clone() for v in chosen if v.value.is_floating_point()}
@@ -103,7 +103,7 @@ def weights(model, trainable: bool) -> dict:
 def save_atomic(model, path) -> Path:
     """Save a Keras model to ``path`` (``.keras``) through a temporary file and a rename, so no reader sees half a file.
 
-    Introduced in notebooks/10-keras-on-torch.ipynb.
+    Introduced in notebooks/12-keras-on-torch.ipynb.
     """
     path = Path(path)
     if path.suffix != ".keras":
@@ -140,7 +140,7 @@ def keras_steps(rank: int, world_size: int, dataset, steps: int, batch_size: int
     trainable weights, the moving statistics, the per-step losses and
     samples/s after ``warmup`` untimed steps. Full float32 (TF32 off).
     ``device`` defaults to the one ``launch`` planned for this rank.
-    Introduced in notebooks/10-keras-on-torch.ipynb.
+    Introduced in notebooks/12-keras-on-torch.ipynb.
     """
     positive_int("epochs", epochs)
     _check(dataset, world_size, batch_size, steps + warmup, lr)
@@ -190,7 +190,7 @@ def broadcast_probe(rank: int, world_size: int, dataset, batch_size: int, *, see
     (DDP's constructor copies rank 0's parameters to all ranks) and after one
     training step on this rank's batch (which DDP does not touch for a
     ``requires_grad=False`` parameter).
-    Introduced in notebooks/10-keras-on-torch.ipynb.
+    Introduced in notebooks/12-keras-on-torch.ipynb.
     """
     _check(dataset, world_size, batch_size, 1, 1.0)
     keras = keras_torch()
@@ -223,7 +223,7 @@ def fit_rank(rank: int, world_size: int, dataset, steps: int, batch_size: int, l
     train step on the inner model, outside DDP's forward, so DDP never
     all-reduces the gradients. Returns the trainable weights after ``steps``
     steps on this rank's shard.
-    Introduced in notebooks/10-keras-on-torch.ipynb.
+    Introduced in notebooks/12-keras-on-torch.ipynb.
     """
     _check(dataset, world_size, batch_size, steps, lr)
     keras = keras_torch()
@@ -250,7 +250,7 @@ def guide_rank(current_gpu_index: int, num_gpus: int, dataset, port: int, result
     rank and NCCL). ``fail_rank`` raises in that rank after joining the group;
     ``hang_rank`` sleeps there for an hour (a rank stuck on a lost peer or a
     skipped collective), which leaves the other ranks waiting for it.
-    Introduced in notebooks/10-keras-on-torch.ipynb.
+    Introduced in notebooks/12-keras-on-torch.ipynb.
     """
     torch.set_num_threads(1)  # a rank forked after the notebook used torch's thread pool hangs with more
     os.environ["MASTER_ADDR"] = "localhost"

@@ -39,7 +39,7 @@ def _raw_split(split: str, root=None) -> tuple[np.ndarray, np.ndarray]:
 def augmentation(size: int = 28) -> v2.Compose:
     """Random resized crop and flip on the PIL image, then tensor, float and normalise (transforms v2).
 
-    Introduced in notebooks/06-data-loading.ipynb.
+    Introduced in notebooks/08-data-loading.ipynb.
     """
     mean, std = data.NORMALIZE["fashion"]
     return v2.Compose([v2.RandomResizedCrop(size, scale=(0.6, 1.0), antialias=True), v2.RandomHorizontalFlip(),
@@ -50,7 +50,7 @@ class AugmentedFashion(Dataset):
     """Fashion-MNIST items made per request: uint8 array → PIL image → transforms v2 → normalised tensor.
 
     ``images``/``labels`` (uint8 (N, H, W) and int) replace the files, for tests.
-    Introduced in notebooks/06-data-loading.ipynb.
+    Introduced in notebooks/08-data-loading.ipynb.
     """
 
     def __init__(self, split: str = "train", limit: int | None = None, root=None, images=None, labels=None,
@@ -103,7 +103,7 @@ def forward_step(model: torch.nn.Module, device="cpu"):
 
     No backward on purpose: a notebook that later forks GPU ranks must not
     run autograd in its own process (see helpers.launch).
-    Introduced in notebooks/06-data-loading.ipynb.
+    Introduced in notebooks/08-data-loading.ipynb.
     """
     device = torch.device(device)
     model = model.to(device).eval()
@@ -121,7 +121,7 @@ def make_loader(dataset, batch_size: int = 256, num_workers: int = 0, pin_memory
                 seed: int = 0, sampler=None) -> DataLoader:
     """``data.make_loader`` with the benchmark's defaults: batch 256, workers not kept between epochs.
 
-    Introduced in notebooks/06-data-loading.ipynb.
+    Introduced in notebooks/08-data-loading.ipynb.
     """
     return data.make_loader(dataset, batch_size, shuffle, num_workers, pin_memory, sampler, seed,
                             persistent_workers=persistent_workers, prefetch_factor=prefetch_factor)
@@ -135,7 +135,7 @@ def measure(loader, step=None, epochs: int = 1, max_batches: int | None = None, 
     (once with persistent workers, every epoch without), as waiting: ``wait_s``
     holds starting, resuming and shutting down workers as well as ``next()``. ``stop`` (a
     threading.Event) ends the pass between batches with ``helpers.Stopped``.
-    Introduced in notebooks/06-data-loading.ipynb.
+    Introduced in notebooks/08-data-loading.ipynb.
     """
     positive_int("epochs", epochs)
     samples = steps = 0
@@ -175,7 +175,7 @@ def sweep(dataset, settings: list[dict], step=None, repeats: int = 3, warmup: in
     order keeps a drifting machine from favouring whichever setting runs
     first. Returns one dict per setting: the settings, ``median``, ``low`` and
     ``high`` samples/s, ``wait_fraction`` (median) and every run.
-    Introduced in notebooks/06-data-loading.ipynb.
+    Introduced in notebooks/08-data-loading.ipynb.
     """
     positive_int("repeats", repeats)
     runs: list[list[LoaderRun]] = [[] for _ in settings]
@@ -201,7 +201,7 @@ def sweep(dataset, settings: list[dict], step=None, repeats: int = 3, warmup: in
 def best(results: list[dict]) -> dict:
     """The fastest setting by median samples/s.
 
-    Introduced in notebooks/06-data-loading.ipynb.
+    Introduced in notebooks/08-data-loading.ipynb.
     """
     if not results:
         raise ValueError("no results to choose from")
@@ -216,7 +216,7 @@ def rank_with_workers(rank: int, world_size: int, dataset, num_workers: int, bat
     reports them, and holds them alive ``hold_s`` seconds so that the parent
     can count the whole process tree meanwhile. It returns while its
     persistent workers still run: ``launch`` must clean them up.
-    Introduced in notebooks/06-data-loading.ipynb.
+    Introduced in notebooks/08-data-loading.ipynb.
     """
     import psutil
     import torch.distributed as dist

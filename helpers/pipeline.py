@@ -35,7 +35,7 @@ def pipeline_step(model: TwoStage, x, y, n_micro: int, kind: str = "gpipe", loss
     gradients are the whole batch's mean-loss gradients. ``clock`` (a list)
     receives a measured ``schedules.Slot`` per pass (devices synchronised: for
     drawing, not for timing). Returns the batch's mean loss.
-    Introduced in notebooks/05-model-parallel.ipynb.
+    Introduced in notebooks/06-model-parallel.ipynb.
     """
     positive_int("n_micro", n_micro)
     if n_micro > len(x):
@@ -82,7 +82,7 @@ def check_split(rank: int, world_size: int, x, y, split: int = 4, micro_counts=(
     Also returns the unsplit model's gradients, the stage plan, per-stage memory (computed; measured per GPU
     where there are GPUs), and the error that labels on the wrong device give
     (None where both stages share a device, so it cannot happen).
-    Introduced in notebooks/05-model-parallel.ipynb.
+    Introduced in notebooks/06-model-parallel.ipynb.
     """
     plan = plan_stages(2)
     with full_fp32():
@@ -135,7 +135,7 @@ def _wrong_labels(model: TwoStage, x, y) -> str | None:
 def stage_seconds(model: TwoStage, x, y, rounds: int = 5) -> list[float]:
     """Each stage's forward+backward time on the whole batch (median of ``rounds``), devices synchronised.
 
-    Introduced in notebooks/05-model-parallel.ipynb.
+    Introduced in notebooks/06-model-parallel.ipynb.
     """
     d0, d1 = model.devices
     h = model.stage0(x.to(d0)).detach().to(d1).requires_grad_(True)
@@ -158,7 +158,7 @@ def sweep_micro_batches(rank: int, world_size: int, x, y, split: int = 4, micro_
 
     Also the per-stage times (for ``schedules.predict_step``) and a measured
     timeline of one step with ``timeline_micro`` micro-batches.
-    Introduced in notebooks/05-model-parallel.ipynb.
+    Introduced in notebooks/06-model-parallel.ipynb.
     """
     model = _models(split, seed, plan_stages(2).devices)[1]
     d0, d1 = model.devices
@@ -203,7 +203,7 @@ def pp_rank(rank: int, world_size: int, x, y, n_micro: int = 4, split: int = 4, 
     over gloo. ``scale_grads=True`` (the default) divides by the micro-batch
     count, which makes the gradients the mean over micro-batch losses.
     ``rounds`` > 0 times that many further steps (each after a barrier).
-    Introduced in notebooks/05-model-parallel.ipynb.
+    Introduced in notebooks/06-model-parallel.ipynb.
     """
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
@@ -243,7 +243,7 @@ def hybrid_steps(rank: int, world_size: int, dataset, steps: int, batch_size: in
     set up here, without binding one device, since a rank may own two GPUs.
     ``DDP(..., device_ids=None)``: the module spans devices. Full float32.
     Returns parameters (ConvNet names), losses and the samples this rank saw.
-    Introduced in notebooks/05-model-parallel.ipynb.
+    Introduced in notebooks/06-model-parallel.ipynb.
     """
     plan = plan_hybrid(world_size, 2)
     devices = plan.devices[rank]

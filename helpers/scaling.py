@@ -27,7 +27,7 @@ def warmup(optimizer, steps: int):
     """An LR scheduler that ramps the rate linearly from 1/steps of its value to all of it over ``steps`` steps.
 
     Step it after every optimizer step; ``steps=0`` means no warm-up.
-    Introduced in notebooks/04-ddp-in-practice.ipynb.
+    Introduced in notebooks/04-ddp-habits.ipynb.
     """
     positive_int("steps", steps, minimum=0)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / steps) if steps else 1.0)
@@ -36,7 +36,7 @@ def warmup(optimizer, steps: int):
 def scaled_lr(base_lr: float, world_size: int, scale: bool) -> float:
     """``base_lr × world_size`` under the linear scaling rule, else ``base_lr``.
 
-    Introduced in notebooks/04-ddp-in-practice.ipynb.
+    Introduced in notebooks/04-ddp-habits.ipynb.
     """
     positive_number("base_lr", base_lr)
     return base_lr * world_size if scale else base_lr
@@ -50,7 +50,7 @@ def lr_run(rank: int, world_size: int, dataset, steps: int, batch_size: int, bas
     fp32, TF32 off; "bf16"/"fp16" autocast, fp16 with a GradScaler). Reports
     each step to the notebook (for a live plot or a progress bar); also returns
     the global samples/s of the training loop as rank 0 timed it.
-    Introduced in notebooks/04-ddp-in-practice.ipynb.
+    Introduced in notebooks/04-ddp-habits.ipynb.
     """
     positive_int("steps", steps)
     device = rank_device()

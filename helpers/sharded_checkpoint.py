@@ -33,7 +33,7 @@ def checkpoint_rank(rank: int, world_size: int, dataset, folder, steps: int, res
     Returns the resumed run's full parameters (rank 0), the files written, and
     those uninterrupted steps' parameters for comparison. ``on_cpu`` as in
     ``fsdp.train_rank``.
-    Introduced in notebooks/09-fsdp.ipynb.
+    Introduced in notebooks/11-fsdp.ipynb.
     """
     if not 0 < resume_at < steps:
         raise ValueError(f"resume_at must be between 1 and steps - 1 ({steps - 1}), got {resume_at}")

@@ -22,7 +22,7 @@ from .models import ConvNet
 def convnet_layers(net: ConvNet) -> list[tuple[str, nn.Module]]:
     """The ConvNet as one flat list of (name, layer), a Flatten before fc: the places a split can go.
 
-    Introduced in notebooks/05-model-parallel.ipynb.
+    Introduced in notebooks/06-model-parallel.ipynb.
     """
     flat = [(f"{block}.{i}", layer) for block in ("layer1", "layer2")
             for i, layer in enumerate(getattr(net, block))]
@@ -32,7 +32,7 @@ def convnet_layers(net: ConvNet) -> list[tuple[str, nn.Module]]:
 def split_names(net: ConvNet | None = None) -> dict[int, str]:
     """Every valid split index k (stage 0 = layers[:k]) with a readable name: 'after layer1.3 | before layer2.0'.
 
-    Introduced in notebooks/05-model-parallel.ipynb.
+    Introduced in notebooks/06-model-parallel.ipynb.
     """
     names = [n for n, _ in convnet_layers(net or ConvNet(batch_norm=False))]
     return {k: f"after {names[k - 1]} | before {names[k]}" for k in range(1, len(names))}
@@ -45,7 +45,7 @@ class TwoStage(nn.Module):
     rest in stage 1. The layers are ``net``'s own modules, moved, so
     ``convnet_state`` gives parameters and gradients under ConvNet's names.
     The loss's labels must be on ``output_device``.
-    Introduced in notebooks/05-model-parallel.ipynb.
+    Introduced in notebooks/06-model-parallel.ipynb.
     """
 
     def __init__(self, net: ConvNet, split: int = 4, devices=("cpu", "cpu")):
@@ -74,7 +74,7 @@ class TwoStage(nn.Module):
     def convnet_name(self, key: str) -> str:
         """'stage1.0.weight' → 'layer2.0.weight': a parameter's name in the unsplit ConvNet.
 
-        Introduced in notebooks/05-model-parallel.ipynb.
+        Introduced in notebooks/06-model-parallel.ipynb.
         """
         child, _, param = key.rpartition(".")
         return f"{self._names[child]}.{param}"
@@ -82,7 +82,7 @@ class TwoStage(nn.Module):
     def convnet_state(self, grads: bool = False) -> dict:
         """Parameters (or, with ``grads``, their gradients) on the CPU, keyed by ConvNet's names.
 
-        Introduced in notebooks/05-model-parallel.ipynb.
+        Introduced in notebooks/06-model-parallel.ipynb.
         """
         return {self.convnet_name(k): (p.grad if grads else p).detach().cpu() for k, p in self.named_parameters()}
 
@@ -100,7 +100,7 @@ def plan_stages(n_stages: int = 2, n_gpus: int | None = None) -> StagePlan:
     """Stage s → cuda:s when there is a GPU per stage; else all stages on cuda:0, or on the CPU.
 
     ``n_gpus`` overrides the count (for tests and "what if").
-    Introduced in notebooks/05-model-parallel.ipynb.
+    Introduced in notebooks/06-model-parallel.ipynb.
     """
     positive_int("n_stages", n_stages)
     n = gpu_count() if n_gpus is None else positive_int("n_gpus", n_gpus, minimum=0)
@@ -137,7 +137,7 @@ def plan_hybrid(world_size: int = 2, n_stages: int = 2, n_gpus: int | None = Non
 
     NCCL when no GPU is used by two ranks; gloo otherwise (NCCL refuses two
     ranks on one GPU) and on the CPU.
-    Introduced in notebooks/05-model-parallel.ipynb.
+    Introduced in notebooks/06-model-parallel.ipynb.
     """
     positive_int("world_size", world_size)
     positive_int("n_stages", n_stages)
@@ -168,7 +168,7 @@ def saved_bytes(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
 
     This is a stage's activation memory per batch: what it must hold until
     the backward pass (tensors saved twice are counted once).
-    Introduced in notebooks/05-model-parallel.ipynb.
+    Introduced in notebooks/06-model-parallel.ipynb.
     """
     seen: dict[tuple, int] = {}
 
@@ -187,7 +187,7 @@ def saved_bytes(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
 def stage_memory(model: TwoStage, x: torch.Tensor) -> list[dict]:
     """Per stage: its layers, parameters (count, bytes), activation bytes saved for backward, output bytes.
 
-    Introduced in notebooks/05-model-parallel.ipynb.
+    Introduced in notebooks/06-model-parallel.ipynb.
     """
     rows, h = [], x
     for s, (stage, device) in enumerate(zip((model.stage0, model.stage1), model.devices)):

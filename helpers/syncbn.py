@@ -31,7 +31,7 @@ class CPUSyncBatchNorm(nn.BatchNorm2d):
 
     It exists because torch's SyncBatchNorm refuses CPU tensors; on GPU ranks
     use ``nn.SyncBatchNorm`` (``convert_sync_batchnorm`` picks).
-    Introduced in notebooks/04-ddp-in-practice.ipynb.
+    Introduced in notebooks/04-ddp-habits.ipynb.
     """
 
     def forward(self, x):
@@ -63,7 +63,7 @@ def _all_reduce_sum(t):
 def convert_sync_batchnorm(model: nn.Module, device) -> nn.Module:
     """torch's ``nn.SyncBatchNorm`` on a GPU; on the CPU, every BatchNorm2d swapped for the stand-in.
 
-    Introduced in notebooks/04-ddp-in-practice.ipynb.
+    Introduced in notebooks/04-ddp-habits.ipynb.
     """
     if torch.device(device).type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -81,7 +81,7 @@ def convert_sync_batchnorm(model: nn.Module, device) -> nn.Module:
 def which_sync(device) -> str:
     """Which SyncBatchNorm runs on ``device``, in words (printed so the stand-in is never mistaken for torch's).
 
-    Introduced in notebooks/04-ddp-in-practice.ipynb.
+    Introduced in notebooks/04-ddp-habits.ipynb.
     """
     if torch.device(device).type == "cuda":
         return "torch.nn.SyncBatchNorm (GPU ranks)"
@@ -96,7 +96,7 @@ def bn_steps(rank: int, world_size: int, dataset, steps: int, batch_size: int, l
     statistics after step 1 (they reveal the batch statistics the rank used),
     and which SyncBatchNorm ran. Compare with ``ddp.reference_rank(...,
     batch_norm=True)`` on batch W·b.
-    Introduced in notebooks/04-ddp-in-practice.ipynb.
+    Introduced in notebooks/04-ddp-habits.ipynb.
     """
     positive_int("steps", steps)
     positive_number("lr", lr)

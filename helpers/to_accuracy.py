@@ -42,7 +42,7 @@ def race(rank: int, world_size: int, train_set, test_set, target: float, batch_s
     evaluates). Returns ``curve`` as (samples seen, training seconds, wall
     seconds, accuracy) rows, and ``reached`` (the first row at the target, or
     None). One rank runs the plain model, as notebook 01 does.
-    Introduced in notebooks/04-ddp-in-practice.ipynb.
+    Introduced in notebooks/04-ddp-habits.ipynb.
     """
     positive_int("max_epochs", max_epochs)
     positive_number("lr", lr)

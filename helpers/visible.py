@@ -33,7 +33,7 @@ class MaskError(ValueError):
 def physical_gpus() -> list[dict]:
     """Every GPU in the box as NVML numbers them (PCI bus order, whatever the mask): index, name, uuid, bus id.
 
-    Introduced in notebooks/07-visible-devices.ipynb.
+    Introduced in notebooks/09-visible-devices.ipynb.
     """
     try:
         import pynvml
@@ -58,7 +58,7 @@ def cuda_would_see(mask: str | None, n_physical: int) -> int:
     The rule measured on an H100 (FACTS.md): no mask → all; entries are read
     left to right and the list stops at the first invalid one (not a number,
     negative, or no such GPU); any duplicate hides every GPU.
-    Introduced in notebooks/07-visible-devices.ipynb.
+    Introduced in notebooks/09-visible-devices.ipynb.
     """
     if mask is None:
         return n_physical
@@ -75,7 +75,7 @@ def check_mask(mask: str, n_physical: int | None = None) -> tuple:
     """The GPUs ``mask`` names, as ints (or UUID strings); ``MaskError`` when CUDA would not show them all.
 
     ``""`` is valid (no GPU). ``n_physical`` defaults to the GPUs NVML finds.
-    Introduced in notebooks/07-visible-devices.ipynb.
+    Introduced in notebooks/09-visible-devices.ipynb.
     """
     if not isinstance(mask, str):
         raise MaskError(f"{VAR} must be a string such as '0,1' (or '' for no GPU), got {mask!r}")
@@ -106,7 +106,7 @@ def masked(mask: str, n_physical: int | None = None):
     afterwards makes ``device_count()`` disagree with the live context (measured:
     the next synchronize fails), so this refuses then. Children forked or
     started inside the block (``launch``'s ranks) see the subset.
-    Introduced in notebooks/07-visible-devices.ipynb.
+    Introduced in notebooks/09-visible-devices.ipynb.
     """
     check_mask(mask, n_physical)
     if torch.cuda.is_initialized():
@@ -138,7 +138,7 @@ def run_script(mask: str, command: list[str], timeout: float = 120.0, check: boo
     """Run ``command`` (e.g. ``[sys.executable, "job.py"]``) with ``mask``; return its output; raise if it fails.
 
     ``check=False`` skips the mask check, to see what CUDA does with a bad one.
-    Introduced in notebooks/07-visible-devices.ipynb.
+    Introduced in notebooks/09-visible-devices.ipynb.
     """
     proc = start_script(mask, command, check=check, env=env)
     try:
@@ -159,7 +159,7 @@ def run_script(mask: str, command: list[str], timeout: float = 120.0, check: boo
 def start_script(mask: str, command: list[str], check: bool = True, env: dict | None = None) -> subprocess.Popen:
     """Start ``command`` with ``mask`` and return the Popen at once (stdout with stderr, as text): jobs side by side.
 
-    Introduced in notebooks/07-visible-devices.ipynb.
+    Introduced in notebooks/09-visible-devices.ipynb.
     """
     if check:
         check_mask(mask)
@@ -173,7 +173,7 @@ def run_function(mask: str, fn, *args, timeout: float = 120.0, check: bool = Tru
 
     Fork, so a function defined in the notebook works; the child sets the
     mask (and ``env``) before any CUDA call, which is why CUDA must not be initialised here.
-    Introduced in notebooks/07-visible-devices.ipynb.
+    Introduced in notebooks/09-visible-devices.ipynb.
     """
     if check:
         check_mask(mask)
@@ -205,7 +205,7 @@ def _child(mask, fn, args, env) -> tuple:
 def launch_on(mask: str, fn, world_size: int, *args, **kwargs):
     """``helpers.launch.launch`` with only ``mask``'s GPUs visible: the plan and the forked ranks see the subset.
 
-    Introduced in notebooks/07-visible-devices.ipynb.
+    Introduced in notebooks/09-visible-devices.ipynb.
     """
     from .launch import launch
 

@@ -10,7 +10,7 @@ gloo otherwise. The model, the data search, the sampler and the step loop are
 ``--checkpoint`` rank 0 saves atomically every ``--save-every`` steps and at
 the end, and a start finds the file and resumes from the step saved there, so
 that a run restarted at any point ends with exactly the parameters of an
-uninterrupted one (CPU, same world size). Introduced in notebooks/08-torchrun-and-clusters.ipynb.
+uninterrupted one (CPU, same world size). Introduced in notebooks/10-torchrun-and-clusters.ipynb.
 """
 
 from __future__ import annotations

@@ -1,0 +1,190 @@
+"""Read the notebooks as a learner would and count what the course promises (tests/test_course.py runs it).
+
+Per notebook: reading words (markdown plus the English inside code strings) and the share in code strings,
+concept figures, links to sources, exercises and solution cells; the functions it launches that no notebook
+defines; and, for the course, each lesson whose torch calls appear in no notebook cell (strings and comments
+do not count: the calls must be code a learner can read and change).
+
+    python scripts/course_audit.py          # a table, then what is missing
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import json
+import re
+import sys
+import tokenize
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# lesson → (notebook name pattern, torch calls that must be code in one of its cells)
+LESSONS = {
+    "the training loop": (r"01-", ["backward", "zero_grad", "step"]),
+    "DataParallel's four steps": (r"02-", ["replicate", "scatter", "parallel_apply", "gather"]),
+    "the DDP step": (r"03-", ["DistributedDataParallel", "DistributedSampler", "init_process_group"]),
+    "set_epoch": (r"-ddp-habits|04-", ["set_epoch"]),
+    "rank-0 save and map_location resume": (r"-ddp-habits|04-", ["torch.save", "map_location"]),
+    "no_sync accumulation": (r"-ddp-habits|04-", ["no_sync"]),
+    "SyncBatchNorm": (r"-ddp-habits|04-", ["convert_sync_batchnorm"]),
+    "autocast and GradScaler": (r"large-batch|04-", ["autocast", "GradScaler", "scale"]),
+    "LR scaling and warm-up": (r"large-batch|04-", ["LinearLR"]),
+    "the model cut across devices": (r"model-parallel|05-", ["Sequential", "to"]),
+    "PipelineStage and a schedule": (r"pipelin|05-", ["PipelineStage", "ScheduleGPipe", "Schedule1F1B"]),
+    "DataLoader workers": (r"data-loading", ["DataLoader", "num_workers", "pin_memory", "persistent_workers"]),
+    "CUDA_VISIBLE_DEVICES masks": (r"visible-devices", ["CUDA_VISIBLE_DEVICES"]),
+    "the torchrun script's loop": (r"torchrun", ["init_process_group", "set_epoch", "LOCAL_RANK"]),
+    "fully_shard and DCP": (r"fsdp", ["fully_shard", "MixedPrecisionPolicy", "dcp.save", "dcp.load"]),
+    "the Keras model under DDP": (r"keras", ["keras.Sequential", "keras.layers", "DistributedDataParallel"]),
+}
+
+WORD = re.compile(r"[A-Za-z][A-Za-z'’-]*")
+LAUNCHERS = {"launch", "run_rank"}  # calls whose first argument is a function forked ranks run
+
+
+@dataclass
+class Report:
+    name: str
+    words: int = 0
+    string_words: int = 0
+    figures: int = 0
+    links: int = 0
+    exercises: int = 0
+    solutions: int = 0
+    code: str = ""  # code cells joined, strings and comments removed
+    defined: set[str] = field(default_factory=set)
+    launched: set[str] = field(default_factory=set)
+
+    @property
+    def string_share(self) -> float:
+        return self.string_words / self.words if self.words else 0.0
+
+
+def _python(src: str) -> str:
+    """A cell's source with IPython magics and shell lines commented out, so ast and tokenize can read it."""
+    return "\n".join("#" + line if line.lstrip().startswith(("%", "!")) else line for line in src.splitlines())
+
+
+def _code_and_strings(src: str) -> tuple[str, list[str]]:
+    """(code without strings and comments, the English string literals) of one cell."""
+    kept, strings = [], []
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(_python(src)).readline):
+            if tok.type == tokenize.STRING or tok.type == getattr(tokenize, "FSTRING_MIDDLE", -1):
+                strings.append(tok.string)
+                kept.append('""')
+            elif tok.type == tokenize.COMMENT:
+                continue
+            elif tok.type not in (getattr(tokenize, "FSTRING_START", -1), getattr(tokenize, "FSTRING_END", -1)):
+                kept.append(tok.string)
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        return src, []
+    english = [s for s in strings if " " in s and len(WORD.findall(s)) >= 3]
+    return " ".join(kept), english
+
+
+def _function(node: ast.expr, aliases: dict[str, ast.expr]) -> str | None:
+    """The function a launch runs: ``partial(f, ...)`` and names bound to one are opened; a lambda is on the page."""
+    for _ in range(10):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in ("functools.partial", "partial") and node.args:
+            node = node.args[0]
+        elif isinstance(node, ast.Name) and node.id in aliases:
+            node = aliases.pop(node.id)
+        else:
+            break
+    return None if isinstance(node, ast.Lambda) else ast.unparse(node)
+
+
+def _calls(src: str, aliases: dict[str, ast.expr]) -> tuple[set[str], set[str]]:
+    """(functions defined, functions launched) in one cell; ``aliases`` gathers ``name = partial(...)`` bindings."""
+    try:
+        tree = ast.parse(_python(src))
+    except SyntaxError:
+        return set(), set()
+    defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
+            aliases[n.targets[0].id] = n.value
+    launched = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call) and n.args:
+            f = n.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+            if name in LAUNCHERS:
+                fn = _function(n.args[0], dict(aliases))
+                if fn is not None:
+                    launched.add(fn)
+    return defined, launched
+
+
+def _exercises(markdown: str) -> int:
+    m = re.search(r"^#+\s*Exercises\s*$(.*?)(?=^#+\s|\Z)", markdown, re.M | re.S)
+    return len(re.findall(r"^\s*\d+\.\s", m.group(1), re.M)) if m else 0
+
+
+def audit_notebook(path: Path) -> Report:
+    r = Report(path.stem)
+    markdown, code, aliases = [], [], {}
+    for cell in json.loads(path.read_text())["cells"]:
+        src = "".join(cell["source"])
+        if cell["cell_type"] == "markdown":
+            markdown.append(src)
+            r.figures += len(re.findall(r"!\[[^\]]*\]\(figures/", src)) + src.count('<img src="figures/')
+            r.links += len(re.findall(r"\]\(https?://", src))
+        elif cell["cell_type"] == "code":
+            stripped, english = _code_and_strings(src)
+            code.append(stripped)
+            r.string_words += sum(len(WORD.findall(s)) for s in english)
+            defined, launched = _calls(src, aliases)
+            r.defined |= defined
+            r.launched |= launched
+            if "solution" in cell.get("metadata", {}).get("tags", []):
+                r.solutions += 1
+            r.figures += len(re.findall(r"\bfigures\.show\(", src))
+    text = "\n".join(markdown)
+    r.words = len(WORD.findall(re.sub(r"```.*?```|`[^`]*`|\(https?://[^)]*\)", " ", text, flags=re.S)))
+    r.words += r.string_words
+    r.exercises = _exercises(text)
+    r.code = "\n".join(code)
+    return r
+
+
+def audit(root: Path = ROOT) -> tuple[list[Report], list[str], dict[str, list[str]]]:
+    """(a report per notebook, lessons whose calls are in no cell, {notebook: launched fns no notebook defines})."""
+    reports = [audit_notebook(p) for p in sorted((root / "notebooks").glob("*.ipynb"))]
+    defined = set().union(*(r.defined for r in reports)) if reports else set()
+    missing_lessons = []
+    for lesson, (pattern, calls) in LESSONS.items():
+        code = "\n".join(r.code for r in reports if re.search(pattern, r.name))
+        absent = [c for c in calls if not re.search(r"\b" + re.escape(c) + r"\b", code)]
+        if absent:
+            missing_lessons.append(f"{lesson}: {', '.join(absent)} in no cell")
+    undefined = {}
+    for r in reports:
+        names = sorted(f for f in r.launched if f.split(".")[-1] not in defined)
+        if names:
+            undefined[r.name] = names
+    return reports, missing_lessons, undefined
+
+
+def main() -> int:
+    reports, missing, undefined = audit()
+    print(f"{'notebook':34} {'words':>6} {'in str':>6} {'figs':>4} {'links':>5} {'ex':>3} {'sol':>3}")
+    for r in reports:
+        print(f"{r.name:34} {r.words:6d} {r.string_share:6.0%} {r.figures:4d} {r.links:5d} "
+              f"{r.exercises:3d} {r.solutions:3d}")
+    n = sum(len(v) for v in undefined.values())
+    print(f"\nlaunched functions defined in no notebook: {n}")
+    for name, fns in undefined.items():
+        print(f"  {name}: {', '.join(fns)}")
+    print(f"lessons whose torch calls appear in no cell: {len(missing)}")
+    for line in missing:
+        print(f"  {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
