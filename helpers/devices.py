@@ -159,6 +159,60 @@ def _nvml_cuda_version() -> str | None:
         return f"{v // 1000}.{(v % 1000) // 10}"
 
 
+def cpu_has_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """True when this CPU computes bfloat16 in hardware (x86 AVX512-BF16 or AMX-BF16, Arm's BF16 extension).
+
+    Without it, bf16 autocast on the CPU is emulated and runs several times *slower* than fp32 (about 5.5x
+    slower was seen on a 2-core AVX2 server), so a notebook times a few steps before it sizes a bf16 run.
+    ``cpuinfo`` is read as text (tests pass a file with flags masked).
+    Introduced in notebooks/05-large-batch.ipynb.
+    """
+    try:
+        with open(cpuinfo) as f:
+            text = f.read()
+    except OSError:
+        return False
+    flags = set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def gpu_capability(index: int) -> tuple[int, int] | None:
+    """Compute capability of visible GPU ``index`` from NVML (no CUDA context), or None where it cannot be read.
+
+    Introduced in notebooks/05-large-batch.ipynb.
+    """
+    with _nvml() as nvml:
+        if nvml is None:
+            return None
+        try:
+            handle = nvml.nvmlDeviceGetHandleByIndex(_nvml_indices(index + 1)[index])
+            major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
+        except (nvml.NVMLError, IndexError, AttributeError):
+            return None
+        return int(major), int(minor)
+
+
+def has_bf16(device) -> bool:
+    """True when ``device`` has bfloat16 hardware: a CPU with BF16 instructions, a GPU of compute capability ≥ 8.0.
+
+    ``torch.cuda.is_bf16_supported()`` answers True on a T4, V100 or RTX 20xx too (it counts emulation, and it
+    starts CUDA in the notebook); cuDNN has no bf16 convolutions there, so a bf16 ConvNet fails. Those GPUs
+    train in fp16 with a GradScaler. An unreadable capability counts as no bf16.
+    Introduced in notebooks/05-large-batch.ipynb.
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        return cpu_has_bf16()
+    if device.type != "cuda":
+        return False
+    capability = gpu_capability(device.index or 0)
+    return capability is not None and capability >= (8, 0)
+
+
 def shm_gib() -> float | None:
     """Size of /dev/shm in GiB (DataLoader workers pass batches through it).
 

@@ -135,3 +135,24 @@ def test_pick_device_and_plan_refuse_bad_indices_and_counts(bad, error):
         devices.pick_device(bad)
     with pytest.raises(error, match="n_gpus"):
         devices.plan(2, n_gpus=bad)
+
+
+def test_cpu_bf16_is_read_from_the_cpu_flags(tmp_path):
+    with_bf16 = tmp_path / "with"
+    with_bf16.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16\n")
+    without = tmp_path / "without"
+    without.write_text("processor\t: 0\nflags\t\t: fpu sse avx2\n")
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n")
+    assert devices.cpu_has_bf16(str(with_bf16)) and devices.cpu_has_bf16(str(arm))
+    assert not devices.cpu_has_bf16(str(without))
+    assert not devices.cpu_has_bf16(str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize("capability, expect", [((7, 5), False), ((7, 0), False), ((8, 0), True), ((9, 0), True),
+                                                (None, False)])
+def test_bf16_is_offered_only_on_gpus_that_have_it(monkeypatch, capability, expect):
+    # a T4 (7.5) or V100 (7.0): torch.cuda.is_bf16_supported() says True there, cuDNN has no bf16 convolutions
+    monkeypatch.setattr(devices, "gpu_capability", lambda index: capability)
+    assert devices.has_bf16(torch.device("cuda", 0)) is expect
+    assert devices.has_bf16("cuda:1") is expect
