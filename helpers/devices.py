@@ -159,14 +159,16 @@ def _nvml_cuda_version() -> str | None:
         return f"{v // 1000}.{(v % 1000) // 10}"
 
 
-def cpu_has_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
     """True when this CPU computes bfloat16 in hardware (x86 AVX512-BF16 or AMX-BF16, Arm's BF16 extension).
 
     Without it, bf16 autocast on the CPU is emulated and runs several times *slower* than fp32 (about 5.5x
     slower was seen on a 2-core AVX2 server), so a notebook times a few steps before it sizes a bf16 run.
-    ``cpuinfo`` is read as text (tests pass a file with flags masked).
+    ``cpuinfo`` is read as text; by default ``$MULTIGPU_CPUINFO`` or ``/proc/cpuinfo`` (a test points the
+    variable at a copy with the flags masked, to run a notebook's no-bf16 route on a CPU that has bf16).
     Introduced in notebooks/05-large-batch.ipynb.
     """
+    cpuinfo = cpuinfo or os.environ.get("MULTIGPU_CPUINFO") or "/proc/cpuinfo"
     try:
         with open(cpuinfo) as f:
             text = f.read()

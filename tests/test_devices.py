@@ -156,3 +156,10 @@ def test_bf16_is_offered_only_on_gpus_that_have_it(monkeypatch, capability, expe
     monkeypatch.setattr(devices, "gpu_capability", lambda index: capability)
     assert devices.has_bf16(torch.device("cuda", 0)) is expect
     assert devices.has_bf16("cuda:1") is expect
+
+
+def test_cpu_bf16_can_be_masked_for_a_whole_run(tmp_path, monkeypatch):
+    masked = tmp_path / "cpuinfo"
+    masked.write_text("flags\t\t: fpu sse avx2\n")
+    monkeypatch.setenv("MULTIGPU_CPUINFO", str(masked))
+    assert not devices.cpu_has_bf16() and not devices.has_bf16("cpu")
