@@ -297,7 +297,7 @@ class PanelCheck:
 PANELS = {
     "01-single-gpu.ipynb": PanelCheck(("epochs",), ranks=False),
     "03-ddp-fork.ipynb": PanelCheck(("steps", "batch"), ranks=True),
-    "04-ddp-habits.ipynb": PanelCheck(("steps",), ranks=True, menus=("precision",)),
+    "05-large-batch.ipynb": PanelCheck(("steps",), ranks=True, menus=("precision",)),
     "06-model-parallel.ipynb": PanelCheck(("micro-batches",), ranks=True),
     # 06's run is one launched child measuring a loader, which prints its numbers when it ends; the longest run
     # (most workers, most epochs) lasts seconds, long enough to Stop it: the child and its workers must go
