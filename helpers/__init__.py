@@ -1,14 +1,19 @@
 """Reusable launch and training code for the multigpu-notebooks course.
 
-Importing this package has one side effect, for fork-safety: it asks torch to
-answer ``torch.cuda.is_available()`` and ``device_count()`` through NVML, so
-that those calls never create a CUDA context in the notebook and a later fork
-of training ranks stays safe (see ``helpers.launch``).
+Importing this package sets two environment variables, for fork-safety and for
+honest labels: it asks torch to answer ``torch.cuda.is_available()`` and
+``device_count()`` through NVML, so that those calls never create a CUDA context
+in the notebook and a later fork of training ranks stays safe (see
+``helpers.launch``); and it numbers CUDA's GPUs in PCI bus order, as NVML does
+(``CUDA_DEVICE_ORDER=PCI_BUS_ID``), unless the environment already chose.
 """
 
 import os
 
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+# NVML numbers GPUs by PCI bus, CUDA by default puts the fastest first: on a box with mixed GPU models the
+# cuda:i that NVML's names and memory are read for would be another GPU. One order for both, set before CUDA starts.
+os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
 
 
 def smoke_test() -> bool:

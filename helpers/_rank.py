@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .devices import gpu_count
+from .devices import gpu_count, shm_gib
 
 _QUEUE = None  # set in a launched rank: where report() and prints go
 _RANK = None
@@ -101,23 +101,63 @@ def _to_cpu(obj):
     return obj
 
 
+# What a rank's error says → the fix, for the failures learners meet most (first match wins). Each pattern is a
+# piece of the message torch itself prints.
+HINTS = [
+    (("re-initialize CUDA in forked subprocess",),
+     "restart the kernel and keep every CUDA call inside the launched function."),
+    (("CUDA error: initialization error",),
+     "the notebook's process probably ran a backward pass (autograd) before forking, which leaves forked children "
+     "unable to start CUDA. Restart the kernel and run all training inside the launched function (launch(fn, 1) "
+     "for one process)."),
+    (("driver version is insufficient",),
+     "the NVIDIA driver is older than torch's CUDA build; see helpers.devices.driver_check()."),
+    (("Duplicate GPU",), "NCCL needs one GPU per rank; use backend='gloo' or fewer ranks."),
+    (("EADDRINUSE", "address already in use"),
+     "another program took the port that launch had picked before rank 0 could open it; run the cell again "
+     "(launch picks a new free port each time)."),
+    (("default process group has not been initialized",),
+     "launch with init=True (the default), or call init_process_group in fn."),
+    (("CUDA out of memory", "OutOfMemoryError"),
+     "the GPU ran out of memory: use a smaller batch per rank, or fewer ranks per GPU (ranks sharing a GPU each "
+     "hold their own model, optimizer state, activations and CUDA context)."),
+    (("out of shared memory", "Bus error"),
+     "a DataLoader worker ran out of shared memory (/dev/shm, {shm}; Docker gives a container 64 MB): start the "
+     "container with --shm-size=2g (or --ipc=host), or use fewer DataLoader workers (num_workers=0 uses none)."),
+    (("unhandled system error", "NCCL error"),
+     "NCCL failed below torch: rerun with NCCL_DEBUG=INFO to see why; on consumer GPUs without peer-to-peer "
+     "links set NCCL_P2P_DISABLE=1; in a container give it more shared memory (--shm-size=2g or --ipc=host)."),
+    (("Watchdog caught collective operation timeout",),
+     "a collective (all_reduce, barrier) waited past its timeout: usually some rank skipped it, took another "
+     "branch or died. Rerun with NCCL_DEBUG=INFO and TORCH_DISTRIBUTED_DEBUG=INFO to see which."),
+    (("unable to find an engine to execute this computation", "CUDNN_STATUS_NOT_SUPPORTED"),
+     "cuDNN has no kernel for this convolution in this precision; on GPUs before Ampere (T4, V100, RTX 20xx) "
+     "there are no bf16 convolutions: train in fp16 with torch.amp.GradScaler, or in fp32."),
+    (("were not used in producing loss",),
+     "some parameters took no part in the loss, so DDP waited for their gradients: make every parameter take "
+     "part in each step, or wrap with DDP(model, find_unused_parameters=True) (slower); "
+     "TORCH_DISTRIBUTED_DEBUG=INFO names them."),
+]
+
+
 def _hint(err: BaseException) -> str:
-    text = str(err)
-    if "re-initialize CUDA in forked subprocess" in text:
-        return "\nFix: restart the kernel and keep every CUDA call inside the launched function."
-    if "CUDA error: initialization error" in text:
-        return ("\nFix: the notebook's process probably ran a backward pass (autograd) before forking, which "
-                "leaves forked children unable to start CUDA. Restart the kernel and run all training inside "
-                "the launched function (launch(fn, 1) for one process).")
-    if "driver version is insufficient" in text:
-        return "\nFix: the NVIDIA driver is older than torch's CUDA build; see helpers.devices.driver_check()."
-    if "Duplicate GPU" in text:
-        return "\nFix: NCCL needs one GPU per rank; use backend='gloo' or fewer ranks."
-    if "EADDRINUSE" in text or "address already in use" in text.lower():
-        return ("\nFix: another program took the port that launch had picked before rank 0 could open it; "
-                "run the cell again (launch picks a new free port each time).")
-    if "default process group has not been initialized" in text:
-        return "\nFix: launch with init=True (the default), or call init_process_group in fn."
+    """A one-line fix after the traceback, for the failures in HINTS; empty for anything else.
+
+    The whole chain of causes is read: a DataLoader says only "worker exited unexpectedly", and its cause says
+    "killed by signal: Bus error".
+    """
+    chain, seen = [], set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        chain.append(f"{type(err).__name__}: {err}")
+        err = err.__cause__ or err.__context__
+    text = "\n".join(chain)
+    for patterns, fix in HINTS:
+        if any(p.lower() in text.lower() for p in patterns):
+            if "{shm}" in fix:
+                shm = shm_gib()
+                fix = fix.format(shm=f"{shm:g} GiB here" if shm is not None else "size unknown here")
+            return "\nFix: " + fix
     return ""
 
 

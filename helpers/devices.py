@@ -1,8 +1,10 @@
 """What this machine has, read without initialising CUDA, and where ranks go.
 
-Nothing here creates a CUDA context: GPU names and memory come from NVML,
-counts from ``torch.cuda.device_count()`` (NVML-based, see ``helpers/__init__``),
-so a notebook can look at its hardware and still fork training ranks.
+Nothing here creates a CUDA context: GPU names, memory and counts come from NVML
+(torch's own NVML count, see ``helpers/__init__``), so a notebook can look at its
+hardware and still fork training ranks. Where NVML cannot count (MIG slices, no
+NVML library) or the driver is older than torch's CUDA build, the GPUs are not
+planned on, and ``gpu_problem()`` says why, instead of letting a later fork fail.
 """
 
 from __future__ import annotations
@@ -54,11 +56,72 @@ def cpu_cores() -> int:
 
 
 def gpu_count() -> int:
-    """Number of visible CUDA GPUs, without creating a CUDA context.
+    """Number of CUDA GPUs ranks can use, counted without creating a CUDA context (0 where ``gpu_problem()`` says why).
 
     Introduced in notebooks/00-check-environment.ipynb.
     """
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return _usable()[0]
+
+
+def gpu_problem() -> str | None:
+    """Why GPUs that this machine seems to have are not used (MIG slices, no NVML, an old driver), else None.
+
+    Introduced in notebooks/00-check-environment.ipynb.
+    """
+    return _usable()[1]
+
+
+def visible_gpu_count() -> int:
+    """GPUs that NVML sees under ``CUDA_VISIBLE_DEVICES``, usable or not (0 where NVML cannot count).
+
+    Introduced in notebooks/00-check-environment.ipynb.
+    """
+    if torch.cuda.is_initialized():
+        return torch.cuda.device_count()
+    return max(_nvml_count(), 0)
+
+
+NO_COUNT = (
+    "NVML cannot count the GPUs here ({why}), and asking CUDA instead would start it in this process, after which "
+    "no forked rank can use a GPU; so ranks run on the CPU. To train on the GPUs, name them by index in "
+    "CUDA_VISIBLE_DEVICES (e.g. 0,1) when NVML is installed, or run the training as a script with torchrun "
+    "(notebook 10)."
+)
+
+
+def _nvml_count() -> int:
+    """torch's own NVML count under CUDA_VISIBLE_DEVICES: -1 where NVML is missing or the mask holds MIG names."""
+    if not torch.cuda._is_compiled():
+        return 0
+    counter = getattr(torch.cuda, "_device_count_nvml", None)
+    return counter() if counter is not None else -1
+
+
+def _nvidia_driver_present() -> bool:
+    return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidiactl")
+
+
+def _usable() -> tuple[int, str | None]:
+    """(GPUs ranks may use, why not where some are there but unusable); never starts CUDA."""
+    if not torch.cuda._is_compiled():
+        return 0, None
+    if torch.cuda.is_initialized():  # too late for fork-safety anyway; launch refuses with its own message
+        return torch.cuda.device_count(), None
+    n = _nvml_count()
+    if n < 0:
+        # torch would now fall back to cudaGetDeviceCount, which poisons every later fork: do not ask it
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        if "MIG-" in visible:
+            return 0, NO_COUNT.format(why=f"CUDA_VISIBLE_DEVICES names MIG slices: {visible}")
+        if _nvidia_driver_present():
+            return 0, NO_COUNT.format(why="the NVIDIA driver is there, but NVML (libnvidia-ml.so.1) is not")
+        return 0, None  # no NVIDIA driver: a CPU machine
+    if n == 0:
+        return 0, None
+    warning = driver_check()
+    if warning is not None:
+        return 0, f"{n} GPU{'s' if n > 1 else ''} not used: {warning}"
+    return n, None
 
 
 def _nvml_gpus(n: int) -> tuple[list[GPU], dict[tuple[int, int], bool]]:
@@ -231,7 +294,7 @@ def describe() -> Machine:
 
     Introduced in notebooks/00-check-environment.ipynb.
     """
-    gpus, peers = _nvml_gpus(gpu_count())
+    gpus, peers = _nvml_gpus(visible_gpu_count())
     return Machine(
         torch_version=torch.__version__,
         cuda_build=torch.version.cuda,
@@ -285,7 +348,7 @@ def plan(world_size: int, n_gpus: int | None = None, backend: str | None = None)
         raise ValueError(f"world_size must be an int, got {world_size!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    n = gpu_count() if n_gpus is None else positive_int("n_gpus", n_gpus, minimum=0)
+    n, problem = _usable() if n_gpus is None else (positive_int("n_gpus", n_gpus, minimum=0), None)
     if backend not in (None, "gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {backend!r}")
 
@@ -300,6 +363,8 @@ def plan(world_size: int, n_gpus: int | None = None, backend: str | None = None)
                     "not GPUs'")
         if world_size > cores:
             what += f"; {world_size} ranks on {cores} cores take turns, so expect no more than {cores} ranks' speed"
+        if problem:
+            what += f". GPUs not used: {problem}"
     else:
         devices = tuple(torch.device("cuda", r % n) for r in range(world_size))
         if world_size <= n:

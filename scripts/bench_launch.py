@@ -4,13 +4,19 @@
    helpers.launch (first launch in a fresh process, then a later one) against
    torch.multiprocessing spawn with the worker in a module (target: fork >= 2x sooner).
 2. CPU samples/s: DDP 2 ranks x 1 thread against 1 process x 1 thread (target >= 1.6x).
-    python scripts/bench_launch.py
+Both measure the CPU, so the GPUs are hidden from this process first: on a GPU machine the plan would otherwise put
+these CPU models under NCCL ("No backend type associated with device type cpu"), and the one-process baseline's
+backward pass here would leave later forked ranks unable to start CUDA.
+    python scripts/bench_launch.py            # the benchmark
+    python scripts/bench_launch.py --plan     # only the plan it would use
 """
 
 import functools
 import os
 import sys
 import time
+
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch or helpers look at the GPUs
 
 import torch
 import torch.distributed as dist
@@ -52,6 +58,10 @@ def spawn_first_step() -> float:
 
 
 def main():
+    if "--plan" in sys.argv:
+        from helpers import devices
+        print(devices.plan(2))
+        return
     fresh = fork_first_step()
     warm = min(fork_first_step() for _ in range(3))
     spawn = spawn_first_step()

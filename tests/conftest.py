@@ -1,7 +1,14 @@
 """Shared by the tests: waiting for something with a deadline; for the FSDP tests, a tiny image set and the
 smallest BlockStack that still has two blocks to shard."""
 
+import os
 import time
+
+# The tests' launched functions mean CPU ranks (gloo, CPU tensors and models): on a GPU machine the plan would be
+# NCCL, which cannot reduce CPU tensors. So the GPUs are hidden before anything asks (children inherit it); tests
+# about GPU plans mock torch's answers. MULTIGPU_TEST_GPUS=1 leaves the GPUs visible.
+if os.environ.get("MULTIGPU_TEST_GPUS") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import pytest
 import torch

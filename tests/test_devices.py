@@ -51,10 +51,55 @@ def test_plan_refuses_nccl_without_a_gpu_per_rank():
 
 
 def test_plan_uses_the_real_gpu_count_by_default(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 3)
+    monkeypatch.setattr(devices, "driver_check", lambda: None)
     assert devices.gpu_count() == 3
     assert devices.plan(3).backend == "nccl"
+
+
+def _no_cuda_runtime_count(monkeypatch):
+    """Asking the CUDA runtime for the count poisons later forks: any call to it fails the test."""
+    def poison():
+        raise AssertionError("cudaGetDeviceCount was called: later forks could not use CUDA")
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", poison)
+    monkeypatch.setattr(torch.cuda, "device_count", poison)
+    monkeypatch.setattr(torch.cuda, "is_available", poison)
+
+
+def test_mig_slices_plan_the_cpu_with_the_reason_and_never_ask_cuda(monkeypatch):
+    _no_cuda_runtime_count(monkeypatch)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-5c89d4e8-8c51-5a7d-9b4b-6b7b5b6c7d8e")
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: -1)  # what torch's NVML count answers for MIG
+    assert devices.gpu_count() == 0
+    assert "MIG" in devices.gpu_problem()
+    p = devices.plan(2)
+    assert p.kind == "cpu" and "MIG" in p.sentence and "torchrun" in p.sentence
+
+
+def test_no_nvml_library_beside_a_driver_plans_the_cpu_and_says_why(monkeypatch):
+    _no_cuda_runtime_count(monkeypatch)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: -1)
+    monkeypatch.setattr(devices, "_nvidia_driver_present", lambda: True)
+    assert devices.gpu_count() == 0 and "libnvidia-ml" in devices.gpu_problem()
+    monkeypatch.setattr(devices, "_nvidia_driver_present", lambda: False)  # a CPU machine: nothing to explain
+    assert devices.gpu_count() == 0 and devices.gpu_problem() is None
+    assert "GPUs not used" not in devices.plan(2).sentence
+
+
+def test_a_driver_older_than_the_build_plans_the_cpu_and_says_why(monkeypatch):
+    _no_cuda_runtime_count(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 2)
+    monkeypatch.setattr(devices, "driver_check", lambda: "this GPU driver supports CUDA up to 12.2, but ...")
+    assert devices.gpu_count() == 0
+    p = devices.plan(2)
+    assert p.kind == "cpu" and "2 GPUs not used" in p.sentence and "12.2" in p.sentence
+    assert devices.visible_gpu_count() == 2  # 00 still lists them
+
+
+def test_helpers_number_gpus_in_pci_bus_order_like_nvml():
+    import os
+    assert os.environ["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
 
 
 def test_pick_device_falls_back(monkeypatch):
@@ -120,7 +165,7 @@ class FakeNVML:
 def test_describe_reads_names_memory_and_peers_through_nvml(monkeypatch):
     fake = FakeNVML()
     monkeypatch.setitem(__import__("sys").modules, "pynvml", fake)
-    monkeypatch.setattr(devices, "gpu_count", lambda: 2)
+    monkeypatch.setattr(devices, "visible_gpu_count", lambda: 2)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")  # CUDA's cuda:0 is NVML's GPU 2
     machine = devices.describe()
     assert [(g.index, g.name, g.memory_gib) for g in machine.gpus] == [(0, "Fake GPU 2", 3.0), (1, "Fake GPU 0", 1.0)]

@@ -303,7 +303,7 @@ def test_a_bad_timeout_gets_a_message_of_its_own(timeout, error, words):
 
 def test_a_gpu_launch_from_a_poisoned_process_is_refused_with_the_fix(monkeypatch):
     """A CPU backward in the notebook leaves forked children unable to start CUDA (FACTS, H100)."""
-    monkeypatch.setattr(L.devices, "gpu_count", lambda: 1)  # the plan puts ranks on cuda:0
+    monkeypatch.setattr(L.devices, "_usable", lambda: (1, None))  # the plan puts ranks on cuda:0
 
     def poisoned(device):
         raise RuntimeError("CUDA error: initialization error\nCUDA kernel errors might be ...")

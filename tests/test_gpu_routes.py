@@ -1,0 +1,131 @@
+"""GPU routes checked without a GPU: what would break on a GPU machine, shown with torch's answers mocked.
+
+The mocked NVML count behaves as torch's does: it honours CUDA_VISIBLE_DEVICES (an empty mask counts 0).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from helpers import devices
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# run before the code under test, in a child: a machine with 2 GPUs, as torch's NVML count would see it
+TWO_GPUS = (
+    "import os, torch, torch.cuda as c; "
+    "c._device_count_nvml = lambda: 0 if os.environ.get('CUDA_VISIBLE_DEVICES') == '' else 2; "
+    "import helpers.devices as d; d.driver_check = lambda: None; "
+)
+
+
+def test_the_mocked_count_sees_two_gpus_without_a_mask():
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    out = subprocess.run([sys.executable, "-c", TWO_GPUS + "print(d.plan(2).backend)"], env=env, cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "nccl"
+
+
+def test_bench_launch_plans_cpu_ranks_on_a_gpu_machine():
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    code = TWO_GPUS + "import runpy, sys; sys.argv = ['bench_launch.py', '--plan']; " \
+                      "runpy.run_path('scripts/bench_launch.py', run_name='__main__')"
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    assert "CPU (gloo)" in out, out
+
+
+def test_unit_tests_plan_cpu_ranks_whatever_the_machine_has():
+    # conftest hides the GPUs before anything asks: the tests' launched functions reduce CPU tensors, which NCCL
+    # cannot ("No backend type associated with device type cpu")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    assert torch.cuda._device_count_nvml() == 0
+    assert devices.plan(2).kind == "cpu"
+
+
+# ---- the field's known failures: a rank's error is followed by a one-line fix ----
+
+import functools  # noqa: E402
+import signal  # noqa: E402
+
+import pytest  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+from helpers.launch import RankFailed, launch  # noqa: E402
+
+QUIET = dict(quiet=True, progress=False, timeout=120)
+
+
+def raise_(rank, world_size, err):
+    raise err
+
+
+# messages as torch and NCCL print them (a GPU would be needed to provoke them for real)
+GPU_MESSAGES = {
+    "oom": (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+                                   "of 15.57 GiB of which 1.19 GiB is free."), "smaller batch"),
+    "nccl": (dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error (run with "
+                                   "NCCL_DEBUG=INFO for details), NCCL version 2.21.5"), "NCCL_P2P_DISABLE=1"),
+    "watchdog": (dist.DistBackendError("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, "
+                                       "OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for "
+                                       "600015 milliseconds before timing out."), "skipped it"),
+    "cudnn-bf16": (RuntimeError("GET was unable to find an engine to execute this computation"),
+                   "fp16 with torch.amp.GradScaler"),
+}
+
+
+@pytest.mark.parametrize("name", GPU_MESSAGES)
+def test_a_rank_raising_a_known_gpu_failure_gets_its_fix(name):
+    err, fix = GPU_MESSAGES[name]
+    with pytest.raises(RankFailed) as info:
+        launch(functools.partial(raise_, err=err), 1, **QUIET)
+    assert "Fix: " in str(info.value) and fix in str(info.value)
+
+
+class HalfUsed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def unused_parameter_rank(rank, world_size):
+    model = DDP(HalfUsed())
+    for _ in range(2):  # DDP notices on the second step
+        model(torch.randn(8, 4)).sum().backward()
+
+
+def test_ddp_with_an_unused_parameter_gets_the_find_unused_parameters_fix():
+    with pytest.raises(RankFailed) as info:
+        launch(unused_parameter_rank, 2, **QUIET)
+    text = str(info.value)
+    assert "were not used in producing loss" in text and "find_unused_parameters=True" in text
+
+
+class BusErrorSet(Dataset):
+    """A dataset whose worker dies of SIGBUS, as a worker does when /dev/shm is full."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        os.kill(os.getpid(), signal.SIGBUS)
+
+
+def bus_error_rank(rank, world_size):
+    for _ in DataLoader(BusErrorSet(), batch_size=4, num_workers=1):
+        pass
+
+
+def test_a_dataloader_worker_killed_by_a_bus_error_gets_the_shared_memory_fix():
+    with pytest.raises(RankFailed) as info:
+        launch(bus_error_rank, 1, **QUIET)
+    text = str(info.value)
+    assert "Bus error" in text and "--shm-size" in text and "/dev/shm" in text
