@@ -7,7 +7,7 @@ CONSTRAINTS ?= constraints.txt
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: lab test test-oldest unit notebooks browser bench export audit clean-outputs clean
+.PHONY: lab test test-oldest unit notebooks browser bench export audit readme clean-outputs clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,10 @@ export:
 # Per notebook: reading words, share in code strings, figures, links, exercises, solutions; lessons off the page.
 audit:
 	$(PYTHON) scripts/course_audit.py
+
+# README.md's notebook table, from each notebook's header (title, "Runs on:", time): one source for both.
+readme:
+	$(PYTHON) scripts/course_audit.py --readme
 
 clean-outputs: $(STAMP)
 	$(VENV)/bin/jupyter nbconvert --clear-output --inplace notebooks/*.ipynb

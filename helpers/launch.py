@@ -90,7 +90,7 @@ CUDA_FIX = (
     "CUDA is already initialised in this notebook (a tensor went to a GPU, or a torch.cuda call "
     "created a context), and a forked rank cannot use CUDA after that ('Cannot re-initialize CUDA "
     "in forked subprocess'). Fix: restart the kernel, and keep every CUDA call inside the function "
-    "you launch. torch.cuda.is_available() and device_count() are safe before launching."
+    "you launch. helpers.devices.gpu_count() is safe before launching (it asks NVML, never CUDA)."
 )
 
 

@@ -6,6 +6,7 @@ defines; and, for the course, each lesson whose torch calls appear in no noteboo
 do not count: the calls must be code a learner can read and change).
 
     python scripts/course_audit.py          # a table, then what is missing
+    python scripts/course_audit.py --readme # rewrite README.md's notebook table from the notebooks' headers
 """
 
 from __future__ import annotations
@@ -170,7 +171,38 @@ def audit(root: Path = ROOT) -> tuple[list[Report], list[str], dict[str, list[st
     return reports, missing_lessons, undefined
 
 
+TABLE_BEGIN = "<!-- the notebook table: written by `make readme` from each notebook's header -->"
+TABLE_END = "<!-- end of the notebook table -->"
+
+
+def header(path: Path) -> tuple[str, str, str]:
+    """(title, runs on, time) from a notebook's first cell: '# NN · Title' and 'Runs on: ... · ~N min'."""
+    first = "".join(json.loads(path.read_text())["cells"][0]["source"])
+    title = re.search(r"^#\s+(?:\d+\s*·\s*)?(.+)$", first, re.M).group(1).strip()
+    runs = re.search(r"^Runs on:\s*(.+?)\s*$", first, re.M).group(1)
+    *where, time = [part.strip() for part in runs.split("·")]
+    return title, " · ".join(where), time
+
+
+def readme_table(root: Path = ROOT) -> str:
+    rows = ["| notebook | what it teaches | runs on | time (2-core CPU, full size) |", "|---|---|---|---|"]
+    for path in sorted((root / "notebooks").glob("*.ipynb")):
+        title, where, time = header(path)
+        rows.append(f"| [{path.stem}](notebooks/{path.name}) | {title} | {where} | {time} |")
+    return f"{TABLE_BEGIN}\n" + "\n".join(rows) + f"\n{TABLE_END}"
+
+
+def write_readme(root: Path = ROOT) -> None:
+    readme = root / "README.md"
+    text = readme.read_text()
+    start, end = text.index(TABLE_BEGIN), text.index(TABLE_END) + len(TABLE_END)
+    readme.write_text(text[:start] + readme_table(root) + text[end:])
+
+
 def main() -> int:
+    if "--readme" in sys.argv:
+        write_readme()
+        return 0
     reports, missing, undefined = audit()
     print(f"{'notebook':34} {'words':>6} {'in str':>6} {'figs':>4} {'links':>5} {'ex':>3} {'sol':>3}")
     for r in reports:

@@ -146,3 +146,8 @@ def test_figures_are_plain_svg_files():
     for svg in (ROOT / "notebooks" / "figures").glob("*.svg"):
         text = svg.read_text()
         assert text.lstrip().startswith(("<svg", "<?xml")) and "<script" not in text, svg.name
+
+
+def test_the_readme_table_is_the_notebooks_headers():
+    """Titles, "Runs on" and times live in the notebooks' headers; the README's table is written from them."""
+    assert course_audit.readme_table(ROOT) in (ROOT / "README.md").read_text(), "run `make readme`"
