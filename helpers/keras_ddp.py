@@ -1,6 +1,7 @@
-"""A Keras 3 model (torch backend) trained under DistributedDataParallel: what the ranks of notebook 10 run.
+"""A Keras 3 model (torch backend) trained under DistributedDataParallel: what the ranks of notebook 12 run.
 
-The model and loop follow the Keras guide "Multi-GPU distributed training with
+Notebook 12 defines the model, the ranks' loop and its probes (the region at the end of this file is written from
+its cells by `make export`); above it is the machinery they use. The model and loop follow the Keras guide "Multi-GPU distributed training with
 PyTorch": a small convnet with BatchNormalization and Dropout, wrapped in
 ``torch.nn.parallel.DistributedDataParallel``, fed by a DistributedSampler,
 trained by a plain torch loop. Under the torch backend a Keras model *is* a
@@ -27,9 +28,11 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
+from torch.utils.data import DistributedSampler
+
+from . import devices
 from ._rank import rank_device, report
 from .checks import positive_int, positive_number
-from .ddp import shard_sampler
 from .train import full_fp32, sync
 
 
@@ -48,36 +51,6 @@ def keras_torch():
         raise RuntimeError(f"Keras was imported with the {keras.backend.backend()!r} backend before KERAS_BACKEND "
                            "was set; the backend cannot change after the first import: restart the kernel")
     return keras
-
-
-def get_model(dropout: float = 0.5, seed: int = 0):
-    """The guide's convnet (3 Conv+BatchNorm+ReLU, global pooling, Dense 256, Dropout, Dense 10 logits).
-
-    Input is (28, 28, 1), channels last as Keras expects. The guide's
-    ``Rescaling(1/255)`` is left out: ``helpers.data`` already normalises.
-    ``seed`` fixes the initial weights, so every rank builds the same model.
-    Introduced in notebooks/12-keras-on-torch.ipynb.
-    """
-    keras = keras_torch()
-    layers = keras.layers
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input(shape=(28, 28, 1))
-    # The guide names only "large_k"; naming every layer keeps the variable paths ("bn1/moving_mean") the same
-    # in every process and every call (Keras numbers unnamed layers per process: conv2d, conv2d_1, ...).
-    x = layers.Conv2D(filters=12, kernel_size=3, padding="same", use_bias=False, name="conv1")(inputs)
-    x = layers.BatchNormalization(scale=False, center=True, name="bn1")(x)
-    x = layers.ReLU()(x)
-    x = layers.Conv2D(filters=24, kernel_size=6, use_bias=False, strides=2, name="conv2")(x)
-    x = layers.BatchNormalization(scale=False, center=True, name="bn2")(x)
-    x = layers.ReLU()(x)
-    x = layers.Conv2D(filters=32, kernel_size=6, padding="same", strides=2, name="large_k")(x)
-    x = layers.BatchNormalization(scale=False, center=True, name="bn3")(x)
-    x = layers.ReLU()(x)
-    x = layers.GlobalAveragePooling2D()(x)
-    x = layers.Dense(256, activation="relu", name="dense")(x)
-    x = layers.Dropout(dropout)(x)  # its masks are seeded by set_random_seed above
-    outputs = layers.Dense(10, name="logits")(x)
-    return keras.Model(inputs, outputs)
 
 
 def channels_last(dataset: TensorDataset) -> TensorDataset:
@@ -118,7 +91,13 @@ def save_atomic(model, path) -> Path:
     return path
 
 
-def _check(dataset, world_size, batch_size, steps, lr) -> None:
+def check_sizes(dataset, world_size: int, batch_size: int, steps: int, lr: float, epochs: int = 1) -> None:
+    """Refuse counts and rates that cannot work, by name, before a rank builds anything.
+
+    ``steps`` steps of ``world_size`` x ``batch_size`` samples must fit in one epoch of ``dataset``.
+    Introduced in notebooks/12-keras-on-torch.ipynb.
+    """
+    positive_int("epochs", epochs)
     positive_int("steps", steps)
     positive_int("batch_size", batch_size)
     positive_number("lr", lr)
@@ -127,72 +106,89 @@ def _check(dataset, world_size, batch_size, steps, lr) -> None:
                          "samples; use fewer steps or a smaller batch")
 
 
-def keras_steps(rank: int, world_size: int, dataset, steps: int, batch_size: int, lr: float, *,
-                training=True, dropout: float = 0.5, optimizer: str = "adam", seed: int = 0, warmup: int = 0,
-                epochs: int = 1, use_ddp: bool = True, save_to=None, device=None) -> dict:
-    """Train the guide's Keras model in DDP with the guide's torch loop: ``epochs`` x ``steps`` steps of ``batch_size``.
+def clock(device) -> float:
+    """``time.perf_counter()`` after the device's queued work is done, so a clock read is honest.
 
-    ``training=True`` calls ``model(x, training=True)``; ``training=None``
-    calls ``model(x)`` as the guide does, which leaves BatchNormalization in
-    inference mode and Dropout off. ``use_ddp=False`` with one rank is the
-    one-process reference (launch it with ``launch(keras_steps, 1, ...)``).
-    Rank 0 saves the trained model to ``save_to`` (atomically). Returns the
-    trainable weights, the moving statistics, the per-step losses and
-    samples/s after ``warmup`` untimed steps. Full float32 (TF32 off).
-    ``device`` defaults to the one ``launch`` planned for this rank.
     Introduced in notebooks/12-keras-on-torch.ipynb.
     """
-    positive_int("epochs", epochs)
-    _check(dataset, world_size, batch_size, steps + warmup, lr)
+    sync(device)
+    return time.perf_counter()
+
+
+# ---- exported from notebooks/12-keras-on-torch.ipynb: edit it there, then run `make export` ----
+def get_model(dropout: float = 0.5, seed: int = 0):
+    """The Keras guide's convnet for (28, 28, 1) images; the same seed gives the same weights.
+
+    Introduced in notebooks/12-keras-on-torch.ipynb.
+    """
+    keras = keras_torch()
+    layers = keras.layers
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input(shape=(28, 28, 1))
+    x = layers.Conv2D(filters=12, kernel_size=3, padding="same", use_bias=False, name="conv1")(inputs)
+    x = layers.BatchNormalization(scale=False, center=True, name="bn1")(x)
+    x = layers.ReLU()(x)
+    x = layers.Conv2D(filters=24, kernel_size=6, use_bias=False, strides=2, name="conv2")(x)
+    x = layers.BatchNormalization(scale=False, center=True, name="bn2")(x)
+    x = layers.ReLU()(x)
+    x = layers.Conv2D(filters=32, kernel_size=6, padding="same", strides=2, name="large_k")(x)
+    x = layers.BatchNormalization(scale=False, center=True, name="bn3")(x)
+    x = layers.ReLU()(x)
+    x = layers.GlobalAveragePooling2D()(x)
+    x = layers.Dense(256, activation="relu", name="dense")(x)
+    x = layers.Dropout(dropout)(x)
+    outputs = layers.Dense(10, name="logits")(x)
+    return keras.Model(inputs, outputs)
+
+
+def keras_steps(rank, world_size, dataset, steps, batch_size, lr, *, training=True, dropout=0.5, seed=0,
+                warmup=0, epochs=1, use_ddp=True, save_to=None, device=None):
+    """The guide's model and torch loop under DDP; returns weights, moving statistics, losses, samples/s.
+
+    Introduced in notebooks/12-keras-on-torch.ipynb.
+    """
+    check_sizes(dataset, world_size, batch_size, steps + warmup, lr, epochs)
     if not use_ddp and world_size != 1:
         raise ValueError(f"use_ddp=False is the one-process reference: launch it with world_size=1, not {world_size}")
     keras = keras_torch()
     device = torch.device(device) if device is not None else rank_device()
-    # Keras puts new variables and inputs on its own default device ("cuda" whenever a GPU exists), not torch's:
-    # tell it this rank's device, so a rank planned onto the CPU stays there. ("cpu", never "cpu:0": Keras then
-    # copies each new variable off its nn.Parameter, and the dropout's integer seed state fails to build.)
-    with full_fp32(), keras.device(str(device)):
+    with full_fp32(), keras.device(str(device)):  # Keras's own default device would be "cuda" wherever one exists
         model = get_model(dropout, seed).to(device)
         net = DDP(model, device_ids=[device] if device.type == "cuda" else None) if use_ddp else model
-        sampler = shard_sampler(dataset, rank, world_size, seed)
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
+                                     drop_last=True)
         loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
-        make = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}[optimizer]
-        opt = make(net.parameters(), lr=lr)  # requires_grad=False parameters (moving statistics) get no grads
+        opt = torch.optim.Adam(net.parameters(), lr=lr)  # requires_grad=False parameters get no gradients
         kwargs = {} if training is None else {"training": training}
-        losses, step, start = [], 0, _clock(device)
+        losses, step, start = [], 0, clock(device)
         for epoch in range(epochs):
             sampler.set_epoch(epoch)  # a fresh shuffle per epoch, the same on every rank
             for x, y in itertools.islice(loader, steps + (warmup if epoch == 0 else 0)):
                 if step == warmup:
-                    start = _clock(device)
+                    start = clock(device)
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 loss = F.cross_entropy(net(x, **kwargs), y)
                 opt.zero_grad()
-                loss.backward()
+                loss.backward()  # DDP all-reduces the gradients here
                 opt.step()
                 if step >= warmup:
-                    losses.append(loss.item())  # the guide's loop reads the loss every step too
-                    report(step=step - warmup, total=steps * epochs, loss=losses[-1], epoch=epoch)
+                    losses.append(loss.item())
+                    report(step=step - warmup, total=steps * epochs, loss=losses[-1])
                 step += 1
-        seconds = _clock(device) - start
-        if save_to is not None and rank == 0:  # one writer; the others wait at launch's final barrier
+        seconds = clock(device) - start
+        if save_to is not None and rank == 0:
             save_atomic(model, save_to)
         return {"params": weights(model, True), "moving": weights(model, False), "losses": losses,
                 "samples_per_s": len(losses) * batch_size / seconds,
                 "saved": str(save_to) if rank == 0 and save_to else None}
 
 
-def broadcast_probe(rank: int, world_size: int, dataset, batch_size: int, *, seed: int = 0) -> dict:
-    """Does DDP broadcast a Keras moving statistic? Each rank writes its own number into one, then wraps and steps.
+def broadcast_probe(rank, world_size, dataset, batch_size, *, seed=0):
+    """Rank r writes r + 1 into a moving mean and a bias, wraps in DDP, steps; both values after each.
 
-    Rank r fills ``bn1/moving_mean`` and the trainable ``logits/bias`` with
-    r + 1 before ``DDP(...)``; the result holds both right after wrapping
-    (DDP's constructor copies rank 0's parameters to all ranks) and after one
-    training step on this rank's batch (which DDP does not touch for a
-    ``requires_grad=False`` parameter).
     Introduced in notebooks/12-keras-on-torch.ipynb.
     """
-    _check(dataset, world_size, batch_size, 1, 1.0)
+    check_sizes(dataset, world_size, batch_size, 1, 1.0)
     keras = keras_torch()
     device = rank_device()
     with full_fp32(), keras.device(str(device)):
@@ -203,59 +199,45 @@ def broadcast_probe(rank: int, world_size: int, dataset, batch_size: int, *, see
             v.assign(torch.full(tuple(v.shape), rank + 1.0))
         net = DDP(model, device_ids=[device] if device.type == "cuda" else None)
         seen = {"wrapped": (moving.value[0].item(), bias.value[0].item())}
-        x, y = next(iter(DataLoader(dataset, batch_size=batch_size, sampler=shard_sampler(dataset, rank, world_size))))
-        loss = F.cross_entropy(net(x.to(device), training=True), y.to(device))
-        loss.backward()
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, drop_last=True)
+        x, y = next(iter(DataLoader(dataset, batch_size=batch_size, sampler=sampler)))
+        F.cross_entropy(net(x.to(device), training=True), y.to(device)).backward()
         torch.optim.SGD(net.parameters(), lr=0.1).step()
         seen["stepped"] = (moving.value[0].item(), bias.value[0].item())
         return seen
 
 
-def _clock(device) -> float:
-    sync(device)  # queued GPU work first, so the clock is honest
-    return time.perf_counter()
+def fit_rank(rank, world_size, dataset, steps, batch_size, lr, *, seed=0):
+    """Keras's ``model.fit`` in a DDP rank: the weights after ``steps`` steps on this rank's shard.
 
-
-def fit_rank(rank: int, world_size: int, dataset, steps: int, batch_size: int, lr: float, *, seed: int = 0) -> dict:
-    """What Keras's own ``model.fit`` does in a DDP rank: the model is wrapped, but ``fit`` calls the Keras model.
-
-    ``DistributedDataParallel`` has no ``fit``; ``model.fit`` runs Keras's
-    train step on the inner model, outside DDP's forward, so DDP never
-    all-reduces the gradients. Returns the trainable weights after ``steps``
-    steps on this rank's shard.
     Introduced in notebooks/12-keras-on-torch.ipynb.
     """
-    _check(dataset, world_size, batch_size, steps, lr)
+    check_sizes(dataset, world_size, batch_size, steps, lr)
     keras = keras_torch()
     device = rank_device()
     with full_fp32(), keras.device(str(device)):
         model = get_model(0.0, seed).to(device)
-        ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None)
+        ddp_model = DDP(model, device_ids=[device] if device.type == "cuda" else None)
         model.compile(optimizer=keras.optimizers.SGD(lr),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        idx = list(shard_sampler(dataset, rank, world_size, seed))[: steps * batch_size]
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
+                                     drop_last=True)
+        idx = list(sampler)[: steps * batch_size]
         x, y = (t[idx].numpy() for t in dataset.tensors)
-        history = model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
-        return {"params": weights(model, True), "has_fit": hasattr(ddp, "fit"),
-                "loss": history.history["loss"][-1]}
+        model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+        return {"params": weights(model, True), "has_fit": hasattr(ddp_model, "fit")}
 
 
-def guide_rank(current_gpu_index: int, num_gpus: int, dataset, port: int, results, steps: int = 8,
-               batch_size: int = 64, fail_rank=None, hang_rank=None) -> None:
-    """The guide's ``per_device_launch_fn`` for ``torch.multiprocessing.start_processes``: env:// on a fixed port.
+def guide_rank(current_gpu_index, num_gpus, dataset, port, results, steps=8, batch_size=64, fail_rank=None,
+               hang_rank=None):
+    """The guide's ``per_device_launch_fn``; ``fail_rank`` raises, ``hang_rank`` sleeps an hour.
 
-    It trains ``steps`` steps (the guide trains 2 epochs) and writes rank r's last
-    loss into ``results[r]`` (shared memory). On a machine with fewer GPUs
-    than ranks it runs on the CPU over gloo (the guide assumes one GPU per
-    rank and NCCL). ``fail_rank`` raises in that rank after joining the group;
-    ``hang_rank`` sleeps there for an hour (a rank stuck on a lost peer or a
-    skipped collective), which leaves the other ranks waiting for it.
     Introduced in notebooks/12-keras-on-torch.ipynb.
     """
     torch.set_num_threads(1)  # a rank forked after the notebook used torch's thread pool hangs with more
     os.environ["MASTER_ADDR"] = "localhost"
     os.environ["MASTER_PORT"] = str(port)
-    gpus = torch.cuda.device_count() >= num_gpus
+    gpus = devices.gpu_count() >= num_gpus
     device = torch.device(f"cuda:{current_gpu_index}" if gpus else "cpu")
     dist.init_process_group(backend="nccl" if gpus else "gloo", init_method="env://", world_size=num_gpus,
                             rank=current_gpu_index)
@@ -265,7 +247,8 @@ def guide_rank(current_gpu_index: int, num_gpus: int, dataset, port: int, result
         raise RuntimeError(f"rank {current_gpu_index} failed on purpose")
     if current_gpu_index == hang_rank:
         time.sleep(3600)
-    out = keras_steps(current_gpu_index, num_gpus, dataset, steps, batch_size, 1e-3, training=True, device=device)
+    out = keras_steps(current_gpu_index, num_gpus, dataset, steps, batch_size, 1e-3, device=device)
     results[current_gpu_index] = out["losses"][-1]
     dist.destroy_process_group()
     sys.stdout.flush()
+# ---- end of export from notebooks/12-keras-on-torch.ipynb ----

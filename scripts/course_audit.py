@@ -39,7 +39,7 @@ LESSONS = {
     "CUDA_VISIBLE_DEVICES masks": (r"visible-devices", ["CUDA_VISIBLE_DEVICES"]),
     "the torchrun script's loop": (r"torchrun", ["init_process_group", "set_epoch", "LOCAL_RANK"]),
     "fully_shard and DCP": (r"fsdp", ["fully_shard", "MixedPrecisionPolicy", "dcp.save", "dcp.load"]),
-    "the Keras model under DDP": (r"keras", ["keras.Sequential", "keras.layers", "DistributedDataParallel"]),
+    "the Keras model under DDP": (r"keras", ["keras.layers", "DistributedDataParallel", "DistributedSampler"]),
 }
 
 WORD = re.compile(r"[A-Za-z][A-Za-z'’-]*")
@@ -70,21 +70,31 @@ def _python(src: str) -> str:
 
 
 def _code_and_strings(src: str) -> tuple[str, list[str]]:
-    """(code without strings and comments, the English string literals) of one cell."""
-    kept, strings = [], []
+    """(the cell's code with strings and comments blanked out, the English string literals) of one cell."""
+    lines = _python(src).splitlines(keepends=True)
+    spans, strings = [], []
+    string_kinds = {tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", -1)}
     try:
-        for tok in tokenize.generate_tokens(io.StringIO(_python(src)).readline):
-            if tok.type == tokenize.STRING or tok.type == getattr(tokenize, "FSTRING_MIDDLE", -1):
+        for tok in tokenize.generate_tokens(io.StringIO("".join(lines)).readline):
+            if tok.type in string_kinds:
                 strings.append(tok.string)
-                kept.append('""')
+                spans.append((tok.start, tok.end))
             elif tok.type == tokenize.COMMENT:
-                continue
-            elif tok.type not in (getattr(tokenize, "FSTRING_START", -1), getattr(tokenize, "FSTRING_END", -1)):
-                kept.append(tok.string)
+                spans.append((tok.start, tok.end))
     except (tokenize.TokenError, IndentationError, SyntaxError):
         return src, []
-    english = [s for s in strings if " " in s and len(WORD.findall(s)) >= 3]
-    return " ".join(kept), english
+    offsets = [0]
+    for line in lines:
+        offsets.append(offsets[-1] + len(line))
+    text = list("".join(lines))
+    for (r0, c0), (r1, c1) in spans:
+        for i in range(offsets[r0 - 1] + c0, offsets[r1 - 1] + c1):
+            if text[i] != "\n":
+                text[i] = " "
+    # English only: the code inside an f-string's braces is not reading
+    prose = [re.sub(r"\{[^{}]*\}", " ", s) for s in strings]
+    english = [s for s in prose if " " in s and len(WORD.findall(s)) >= 3]
+    return "".join(text), english
 
 
 def _function(node: ast.expr, aliases: dict[str, ast.expr]) -> str | None:
