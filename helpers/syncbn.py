@@ -1,13 +1,11 @@
-"""SyncBatchNorm: every rank normalises with the whole global batch's statistics.
+"""The CPU stand-in for SyncBatchNorm: every rank normalises with the whole global batch's statistics.
 
-With plain BatchNorm each DDP rank normalises with the mean and variance of
-its own b samples, so W ranks are not one process with batch W·b (notebook
-03 measures the gap). ``torch.nn.SyncBatchNorm`` all-reduces the statistics
-first, but only on GPUs: on CPU ranks ``DDP(...)`` refuses it ("SyncBatchNorm
-layers only work with GPU modules"). ``CPUSyncBatchNorm`` is a stand-in that
-does the same arithmetic on any device: it all-reduces the per-channel sums and
-counts, then the squared deviations, with an autograd-aware collective, so the backward pass
-also flows through the other ranks' statistics, as torch's does.
+``torch.nn.SyncBatchNorm`` runs on GPU ranks only: on CPU ranks ``DDP(...)`` refuses it ("SyncBatchNorm layers
+only work with GPU modules"). ``CPUSyncBatchNorm`` does the same arithmetic on any device: it all-reduces the
+per-channel sums and counts, then the squared deviations, with an autograd-aware collective, so the backward pass
+also flows through the other ranks' statistics, as torch's does. Notebook 04 converts with torch's
+``nn.SyncBatchNorm.convert_sync_batchnorm`` on GPU ranks and with ``CPUSyncBatchNorm.convert_sync_batchnorm``
+(the same call) on CPU ranks.
 """
 
 from __future__ import annotations
@@ -16,21 +14,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
-
-from ._rank import rank_device, report
-from .checks import positive_int, positive_number
-from .ddp import shard_sampler
-from .models import ConvNet
-from .train import full_fp32, train_one_epoch
 
 
 class CPUSyncBatchNorm(nn.BatchNorm2d):
     """BatchNorm2d whose training statistics are all-reduced over the process group: the CPU stand-in.
 
-    It exists because torch's SyncBatchNorm refuses CPU tensors; on GPU ranks
-    use ``nn.SyncBatchNorm`` (``convert_sync_batchnorm`` picks).
+    It exists because torch's SyncBatchNorm refuses CPU tensors; on GPU ranks use ``nn.SyncBatchNorm``.
     Introduced in notebooks/04-ddp-habits.ipynb.
     """
 
@@ -54,71 +43,22 @@ class CPUSyncBatchNorm(nn.BatchNorm2d):
         y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
         return y * self.weight.view(shape) + self.bias.view(shape)
 
+    @classmethod
+    def convert_sync_batchnorm(cls, module: nn.Module) -> nn.Module:
+        """Every BatchNorm2d in ``module`` swapped for the stand-in, its state kept (torch's call, for CPU ranks)."""
+        if isinstance(module, nn.BatchNorm2d) and not isinstance(module, cls):
+            new = cls(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
+            tensors = [*module.parameters(), *module.buffers()]
+            if tensors:
+                new = new.to(tensors[0].device)
+            new.load_state_dict(module.state_dict())
+            new.train(module.training)
+            return new
+        for name, child in module.named_children():
+            setattr(module, name, cls.convert_sync_batchnorm(child))
+        return module
+
 
 def _all_reduce_sum(t):
     """Sum over ranks, differentiable: the backward pass all-reduces the gradients too."""
     return funcol.wait_tensor(funcol.all_reduce(t, "sum", dist.group.WORLD))
-
-
-def convert_sync_batchnorm(model: nn.Module, device) -> nn.Module:
-    """torch's ``nn.SyncBatchNorm`` on a GPU; on the CPU, every BatchNorm2d swapped for the stand-in.
-
-    Introduced in notebooks/04-ddp-habits.ipynb.
-    """
-    if torch.device(device).type == "cuda":
-        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    for name, child in model.named_children():
-        if isinstance(child, nn.BatchNorm2d) and not isinstance(child, CPUSyncBatchNorm):
-            new = CPUSyncBatchNorm(child.num_features, child.eps, child.momentum, child.affine,
-                                   child.track_running_stats).to(device)
-            new.load_state_dict(child.state_dict())
-            setattr(model, name, new)
-        else:
-            convert_sync_batchnorm(child, device)
-    return model
-
-
-def which_sync(device) -> str:
-    """Which SyncBatchNorm runs on ``device``, in words (printed so the stand-in is never mistaken for torch's).
-
-    Introduced in notebooks/04-ddp-habits.ipynb.
-    """
-    if torch.device(device).type == "cuda":
-        return "torch.nn.SyncBatchNorm (GPU ranks)"
-    return "CPUSyncBatchNorm, this course's stand-in (torch's SyncBatchNorm refuses CPU tensors)"
-
-
-def bn_steps(rank: int, world_size: int, dataset, steps: int, batch_size: int, lr: float, *,
-             sync: bool = True, seed: int = 0) -> dict:
-    """DDP ConvNet with BatchNorm for ``steps`` steps; SyncBatchNorm when ``sync``. Full float32.
-
-    Returns final parameters and buffers, the first BatchNorm's running
-    statistics after step 1 (they reveal the batch statistics the rank used),
-    and which SyncBatchNorm ran. Compare with ``ddp.reference_rank(...,
-    batch_norm=True)`` on batch W·b.
-    Introduced in notebooks/04-ddp-habits.ipynb.
-    """
-    positive_int("steps", steps)
-    positive_number("lr", lr)
-    device = rank_device()
-    with full_fp32():
-        torch.manual_seed(seed)  # the same initial weights as the one-process reference
-        model = ConvNet(batch_norm=True).to(device)
-        if sync:
-            model = convert_sync_batchnorm(model, device)
-        ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None)
-        opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
-        loader = DataLoader(dataset, batch_size=batch_size, sampler=shard_sampler(dataset, rank, world_size, seed),
-                            drop_last=True)
-        first = {}
-
-        def on_step(step, loss):
-            if step == 0:
-                bn = model.layer1[1]
-                first.update(mean=bn.running_mean.detach().clone(), var=bn.running_var.detach().clone())
-            report(step=step, total=steps, loss=loss.item())
-
-        train_one_epoch(ddp, loader, opt, device, max_steps=steps, on_step=on_step)
-    return {"params": {k: v.detach() for k, v in model.state_dict().items()}, "first_stats": first,
-            "kind": which_sync(device) if sync else "plain BatchNorm (per-rank statistics)"}
-

@@ -1,10 +1,11 @@
-"""helpers.checkpoint: round trips, atomic writes under SIGKILL, clear errors, exact resume.
+"""helpers.checkpoint: round trips, atomic writes under SIGKILL, clear errors.
+
+Exact resume (the rank function that saves and resumes) is notebook 04's lesson and is asserted there.
 
 No backward pass runs in this process (a CPU backward here would break later GPU forks, FACTS.md):
 optimizer state is made by setting .grad by hand, and training runs in launched ranks.
 """
 
-import functools
 import os
 import random
 import signal
@@ -16,10 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import TensorDataset
 
-from helpers import checkpoint, epochs, models
-from helpers.launch import RankFailed, launch
+from helpers import checkpoint, models
+from helpers.launch import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 QUIET = dict(quiet=True, progress=False)
@@ -182,33 +182,3 @@ def test_unwrap_sees_through_wrappers():
     assert checkpoint.unwrap(torch.nn.DataParallel(inner)) is inner
     assert checkpoint.unwrap(inner) is inner
 
-
-def toy_set(n=256):
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g))
-
-
-def test_resume_is_bit_identical_to_the_uninterrupted_run(tmp_path):
-    data = toy_set()
-    whole = launch(epochs.train_epochs, 2, data, 3, 16, 0.05, tmp_path / "whole.pt", **QUIET)
-    first = launch(functools.partial(epochs.train_epochs, stop_after=1), 2, data, 3, 16, 0.05, tmp_path / "cut.pt",
-                   **QUIET)
-    assert first[0]["epochs"] == [1]
-    (tmp_path / "cut_copy.pt").write_bytes((tmp_path / "cut.pt").read_bytes())
-    rest = launch(functools.partial(epochs.train_epochs, resume=True), 2, data, 3, 16, 0.05, tmp_path / "cut.pt",
-                  **QUIET)
-    assert rest[0]["epochs"] == [2, 3]
-    assert same(whole[0]["params"], rest[0]["params"]) and same(whole[1]["params"], rest[1]["params"])
-    weights = [k for k in whole[0]["params"] if "running" not in k]  # BatchNorm's running stats are per rank
-    assert all(torch.equal(rest[0]["params"][k], rest[1]["params"][k]) for k in weights)
-    no_rng = launch(functools.partial(epochs.train_epochs, resume=True, restore_rng=False), 2, data, 3, 16, 0.05,
-                    tmp_path / "cut_copy.pt", **QUIET)
-    assert not same(whole[0]["params"], no_rng[0]["params"]), "the random flips must depend on the saved RNG"
-
-
-def test_resume_refuses_a_checkpoint_from_another_world_size(tmp_path):
-    data = toy_set()
-    launch(functools.partial(epochs.train_epochs, stop_after=1), 2, data, 2, 16, 0.05, tmp_path / "c.pt", **QUIET)
-    with pytest.raises(RankFailed, match="written by 2 ranks"):
-        launch(functools.partial(epochs.train_epochs, resume=True), 1, data, 2, 16, 0.05, tmp_path / "c.pt",
-               **QUIET)
