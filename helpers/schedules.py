@@ -10,6 +10,7 @@ activations a stage holds.
 
 from __future__ import annotations
 
+import statistics
 from typing import NamedTuple
 
 from .checks import positive_int
@@ -189,3 +190,61 @@ def draw_timeline(slots: list[Slot], title: str = "", ax=None, unit: str = "time
     ax.set_title(f"{title}  (idle {idle_fraction(slots):.0%})".strip())
     ax.figure.tight_layout()
     return ax
+
+
+def sweep_rows(times: dict, stage_seconds, cost_s: float | None = None) -> list[dict]:
+    """One row per micro-batch count M from its timed steps (seconds): ms median, min, max, quartiles, the bubble,
+    and the step a perfect pipeline would take from ``stage_seconds`` (plus ``cost_s`` per micro-batch, if given).
+
+    Introduced in notebooks/06-model-parallel.ipynb.
+    """
+    rows = []
+    for m in sorted(times):
+        ms = sorted(1e3 * t for t in times[m])
+        q1, _, q3 = statistics.quantiles(ms, n=4) if len(ms) > 1 else (ms[0],) * 3
+        row = dict(m=m, ms=statistics.median(ms), lo=ms[0], hi=ms[-1], q1=q1, q3=q3,
+                   bubble=bubble_fraction(len(stage_seconds), m), ideal=predict_step(stage_seconds, m) * 1e3)
+        if cost_s is not None:
+            row["with_cost"] = row["ideal"] + m * cost_s * 1e3
+        rows.append(row)
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    """The rows of ``sweep_rows`` as a table.
+
+    Introduced in notebooks/06-model-parallel.ipynb.
+    """
+    cost = "with_cost" in rows[0]
+    print(f"{'M':>3} {'step ms':>8} {'min–max':>15} {'bubble':>7} {'perfect':>8}" + (f" {'+ cost':>8}" if cost else ""))
+    for r in rows:
+        print(f"{r['m']:3d} {r['ms']:8.2f} {r['lo']:7.2f}–{r['hi']:<7.2f} {r['bubble']:7.0%} {r['ideal']:8.2f}"
+              + (f" {r['with_cost']:8.2f}" if cost else ""))
+
+
+def plot_sweep(rows: list[dict], title: str):
+    """Measured step time per M (median, quartiles) beside the perfect pipeline and the bubble fraction.
+
+    Introduced in notebooks/06-model-parallel.ipynb.
+    """
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    ms = [r["m"] for r in rows]
+    spread = [[r["ms"] - r["q1"] for r in rows], [r["q3"] - r["ms"] for r in rows]]
+    ax.errorbar(ms, [r["ms"] for r in rows], yerr=spread, fmt="o-", capsize=3, label="measured step (median, quartiles)")
+    ax.plot(ms, [r["ideal"] for r in rows], "s--", label="perfect pipeline, one device per stage")
+    if "with_cost" in rows[0]:
+        ax.plot(ms, [r["with_cost"] for r in rows], "d-.", color="tab:red", label="perfect + fixed cost per micro-batch")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("micro-batches M")
+    ax.set_ylabel("ms per step")
+    ax.set_ylim(bottom=0)
+    bub = ax.twinx()
+    bub.plot(ms, [r["bubble"] for r in rows], "^:", color="tab:green", label="bubble (S−1)/(M+S−1)")
+    bub.set_ylim(0, 1)
+    bub.set_ylabel("bubble fraction")
+    ax.set_title(title)
+    fig.legend(loc="lower center", ncol=2, fontsize="small")
+    fig.tight_layout(rect=(0, 0.16, 1, 1))
+    return fig

@@ -1,10 +1,11 @@
-"""Model parallelism: the course's ConvNet cut into two stages, and where stages go on this machine.
+"""Model parallelism's machinery: the ConvNet's places to cut, where stages go on this machine, what they hold.
 
-A stage is a run of consecutive layers on one device. ``TwoStage`` moves the
-activation between the stages and leaves the labels to the caller (they
-belong on ``output_device``). ``plan_stages`` and ``plan_hybrid`` say which
-device each stage gets with the GPUs that exist (counts can be mocked), and
-what that stands in for.
+``TwoStage`` (the two ``nn.Sequential`` halves and the activation hand-off) is
+written in notebooks/06-model-parallel.ipynb and exported into the region at
+the end of this file. Here: the flat list of layers a cut chooses from, the
+planners that say which device each stage (or each pipeline rank) gets with
+the GPUs that exist (counts can be mocked), and the measurements of a stage:
+the bytes it holds, the time it takes.
 """
 
 from __future__ import annotations
@@ -12,11 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
+from .bench import compare
 from .checks import positive_int
 from .devices import gpu_count
 from .models import ConvNet
+from .train import sync
 
 
 def convnet_layers(net: ConvNet) -> list[tuple[str, nn.Module]]:
@@ -38,58 +43,9 @@ def split_names(net: ConvNet | None = None) -> dict[int, str]:
     return {k: f"after {names[k - 1]} | before {names[k]}" for k in range(1, len(names))}
 
 
-class TwoStage(nn.Module):
-    """The ConvNet's layers in two stages on two devices; forward moves the activation between them.
-
-    ``split`` = k puts layers[:k] (see ``convnet_layers``) in stage 0 and the
-    rest in stage 1. The layers are ``net``'s own modules, moved, so
-    ``convnet_state`` gives parameters and gradients under ConvNet's names.
-    The loss's labels must be on ``output_device``.
-    Introduced in notebooks/06-model-parallel.ipynb.
-    """
-
-    def __init__(self, net: ConvNet, split: int = 4, devices=("cpu", "cpu")):
-        super().__init__()
-        layers = convnet_layers(net)
-        if isinstance(split, bool) or not isinstance(split, int) or not 0 < split < len(layers):
-            raise ValueError(f"split must be an int from 1 to {len(layers) - 1} (see split_names()), got {split!r}")
-        if len(devices) != 2:
-            raise ValueError(f"a two-stage model needs 2 devices, got {devices!r}")
-        self.split = split
-        self.devices = tuple(torch.device(d) for d in devices)
-        self.stage0 = nn.Sequential(*[m for _, m in layers[:split]]).to(self.devices[0])
-        self.stage1 = nn.Sequential(*[m for _, m in layers[split:]]).to(self.devices[1])
-        # Sequential numbers its children; remember which ConvNet layer each one was
-        self._names = {f"stage0.{i}": n for i, (n, _) in enumerate(layers[:split])}
-        self._names.update({f"stage1.{i}": n for i, (n, _) in enumerate(layers[split:])})
-
-    @property
-    def output_device(self) -> torch.device:
-        return self.devices[1]
-
-    def forward(self, x):
-        h = self.stage0(x.to(self.devices[0]))
-        return self.stage1(h.to(self.devices[1]))  # the hand-off: a copy between devices
-
-    def convnet_name(self, key: str) -> str:
-        """'stage1.0.weight' → 'layer2.0.weight': a parameter's name in the unsplit ConvNet.
-
-        Introduced in notebooks/06-model-parallel.ipynb.
-        """
-        child, _, param = key.rpartition(".")
-        return f"{self._names[child]}.{param}"
-
-    def convnet_state(self, grads: bool = False) -> dict:
-        """Parameters (or, with ``grads``, their gradients) on the CPU, keyed by ConvNet's names.
-
-        Introduced in notebooks/06-model-parallel.ipynb.
-        """
-        return {self.convnet_name(k): (p.grad if grads else p).detach().cpu() for k, p in self.named_parameters()}
-
-
 @dataclass(frozen=True)
 class StagePlan:
-    """Where each stage of one model goes, and a sentence saying what is real."""
+    """Where each stage of one model goes (or each pipeline rank runs), and a sentence saying what is real."""
 
     devices: tuple[torch.device, ...]
     kind: str       # "cpu", "one-gpu", "multi-gpu"
@@ -118,6 +74,27 @@ def plan_stages(n_stages: int = 2, n_gpus: int | None = None) -> StagePlan:
                      "real; the stages share the same cores, so they cannot overlap")
 
 
+def plan_pipeline(n_stages: int = 2, n_gpus: int | None = None) -> StagePlan:
+    """One rank per stage: rank s → cuda:s (NCCL) with a GPU per stage; otherwise every rank on the CPU (gloo).
+
+    With fewer GPUs than stages the ranks would share one GPU, which shows
+    nothing two CPU processes do not; the stage times that predict a perfect
+    pipeline must then be measured on the CPU too (a rank measures its own).
+    ``n_gpus`` overrides the count (for tests and "what if").
+    Introduced in notebooks/07-pipelines.ipynb.
+    """
+    positive_int("n_stages", n_stages)
+    n = gpu_count() if n_gpus is None else positive_int("n_gpus", n_gpus, minimum=0)
+    if n >= n_stages:
+        devices = tuple(torch.device("cuda", s) for s in range(n_stages))
+        return StagePlan(devices, "multi-gpu", f"{n_stages} pipeline ranks on {n_stages} GPUs (nccl): real model "
+                         "parallelism; the stage times are measured on those GPUs")
+    where = f"{n} GPU for {n_stages} stages" if n else "no GPU"
+    return StagePlan((torch.device("cpu"),) * n_stages, "cpu",
+                     f"{n_stages} pipeline ranks on the CPU (gloo; {where} here): the stages and their times are "
+                     "measured on CPU cores, so the pipeline is real and the speed is the CPU's")
+
+
 @dataclass(frozen=True)
 class HybridPlan:
     """Model + data parallel: each DDP rank's stage devices, the backend, and a sentence."""
@@ -137,7 +114,7 @@ def plan_hybrid(world_size: int = 2, n_stages: int = 2, n_gpus: int | None = Non
 
     NCCL when no GPU is used by two ranks; gloo otherwise (NCCL refuses two
     ranks on one GPU) and on the CPU.
-    Introduced in notebooks/06-model-parallel.ipynb.
+    Introduced in notebooks/07-pipelines.ipynb.
     """
     positive_int("world_size", world_size)
     positive_int("n_stages", n_stages)
@@ -184,8 +161,8 @@ def saved_bytes(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return out, sum(b for k, b in seen.items() if k not in params)
 
 
-def stage_memory(model: TwoStage, x: torch.Tensor) -> list[dict]:
-    """Per stage: its layers, parameters (count, bytes), activation bytes saved for backward, output bytes.
+def stage_memory(model, x: torch.Tensor) -> list[dict]:
+    """Per stage of a ``TwoStage``: its layers, parameters (count, bytes), activation bytes saved, output bytes.
 
     Introduced in notebooks/06-model-parallel.ipynb.
     """
@@ -193,8 +170,110 @@ def stage_memory(model: TwoStage, x: torch.Tensor) -> list[dict]:
     for s, (stage, device) in enumerate(zip((model.stage0, model.stage1), model.devices)):
         h, act = saved_bytes(stage, h.to(device))
         params = list(stage.parameters())
-        names = [model._names[f"stage{s}.{i}"] for i in range(len(stage))]
-        rows.append({"stage": s, "device": str(device), "layers": names, "params": sum(p.numel() for p in params),
+        rows.append({"stage": s, "device": str(device), "layers": list(model.names[s]),
+                     "params": sum(p.numel() for p in params),
                      "param_bytes": sum(p.numel() * p.element_size() for p in params), "activation_bytes": act,
                      "output_bytes": h.numel() * h.element_size()})
     return rows
+
+
+def measured_memory(model, x: torch.Tensor) -> dict | None:
+    """Bytes each GPU of a ``TwoStage`` gains in a forward pass (activations kept for backward); None on the CPU.
+
+    Introduced in notebooks/06-model-parallel.ipynb.
+    """
+    gpus = sorted({d for d in model.devices if d.type == "cuda"}, key=str)
+    if not gpus:
+        return None
+    for d in gpus:
+        sync(d)
+    before = {d: torch.cuda.memory_allocated(d) for d in gpus}
+    out = model(x)
+    after = {str(d): torch.cuda.memory_allocated(d) - before[d] for d in gpus}
+    del out
+    return after
+
+
+def wrong_labels_error(model, x: torch.Tensor, y: torch.Tensor) -> str | None:
+    """The first line of the error that labels left on stage 0's device give; None when both stages share one.
+
+    Introduced in notebooks/06-model-parallel.ipynb.
+    """
+    if model.devices[0] == model.devices[1]:
+        return None
+    try:
+        F.cross_entropy(model(x), y.to(model.devices[0]))
+    except RuntimeError as e:
+        return str(e).splitlines()[0]
+    return "no error?"
+
+
+def stage_seconds(stage: nn.Module, inputs: torch.Tensor, target: torch.Tensor | None, device,
+                  rounds: int = 5) -> float:
+    """One stage's forward + backward time on a whole batch (median of ``rounds``), on ``device``, synchronised.
+
+    With ``target`` (the last stage) the loss is the cross-entropy and the
+    gradient of the input is computed too (it is what a later stage sends
+    back); without, a stand-in gradient (``.sum()``) of the same work.
+    Introduced in notebooks/06-model-parallel.ipynb.
+    """
+    device = torch.device(device)
+    inputs = inputs.detach().to(device).requires_grad_(target is not None)
+    target = None if target is None else target.to(device)
+
+    def run():
+        out = stage(inputs)
+        (F.cross_entropy(out, target) if target is not None else out.sum()).backward()
+        sync(device)
+
+    return compare({"stage": run}, device=device, rounds=rounds)["stage"]["median"]
+
+
+def own_stage_seconds(rank: int, world_size: int, stage: nn.Module, inputs, target, device, rounds: int = 5) -> float:
+    """In a pipeline rank: time this rank's own stage on its own device, one rank at a time (barriers between).
+
+    Taking turns keeps one rank's timing from sharing cores with another's.
+    Introduced in notebooks/07-pipelines.ipynb.
+    """
+    seconds = None
+    for r in range(world_size):
+        if r == rank:
+            seconds = stage_seconds(stage, inputs, target, device, rounds)
+        dist.barrier()
+    return seconds
+
+
+# ---- exported from notebooks/06-model-parallel.ipynb: edit it there, then run `make export` ----
+class TwoStage(nn.Module):
+    """The ConvNet cut in two stages on two devices. Introduced in notebooks/06-model-parallel.ipynb."""
+
+    # split = k: the first k layers of convnet_layers(net) in stage 0, the rest in stage 1 (net's own modules, moved)
+
+    def __init__(self, net, split=4, devices=("cpu", "cpu")):
+        super().__init__()
+        layers = convnet_layers(net)  # [(name, module), ...] in the order forward runs them
+        if isinstance(split, bool) or not isinstance(split, int) or not 0 < split < len(layers):
+            raise ValueError(f"split must be an int from 1 to {len(layers) - 1}, got {split!r}")
+        if len(devices) != 2:
+            raise ValueError(f"need 2 devices, got {devices!r}")
+        self.devices = tuple(torch.device(d) for d in devices)
+        self.stage0 = nn.Sequential(*[m for _, m in layers[:split]]).to(self.devices[0])
+        self.stage1 = nn.Sequential(*[m for _, m in layers[split:]]).to(self.devices[1])
+        self.names = ([n for n, _ in layers[:split]], [n for n, _ in layers[split:]])  # each layer's ConvNet name
+
+    @property
+    def output_device(self):
+        return self.devices[1]
+
+    def forward(self, x):
+        h = self.stage0(x.to(self.devices[0]))
+        return self.stage1(h.to(self.devices[1]))  # the hand-off: the activation is copied to the next device
+
+    def convnet_name(self, stage, key):  # (1, "0.weight") → "layer2.0.weight": the unsplit ConvNet's name
+        index, _, param = key.partition(".")
+        return f"{self.names[stage][int(index)]}.{param}"
+
+    def convnet_state(self, grads=False):  # parameters (or their gradients) on the CPU, by ConvNet's names
+        return {self.convnet_name(s, k): (p.grad if grads else p).detach().cpu()
+                for s, stage in enumerate((self.stage0, self.stage1)) for k, p in stage.named_parameters()}
+# ---- end of export from notebooks/06-model-parallel.ipynb ----

@@ -298,7 +298,7 @@ PANELS = {
     "01-single-gpu.ipynb": PanelCheck(("epochs",), ranks=False),
     "03-ddp-fork.ipynb": PanelCheck(("steps", "batch"), ranks=True),
     "05-large-batch.ipynb": PanelCheck(("steps",), ranks=True, menus=("precision",)),
-    "06-model-parallel.ipynb": PanelCheck(("micro-batches",), ranks=True),
+    "07-pipelines.ipynb": PanelCheck(("micro-batches",), ranks=True, menus=("split",)),
     # 06's run is one launched child measuring a loader, which prints its numbers when it ends; the longest run
     # (most workers, most epochs) lasts seconds, long enough to Stop it: the child and its workers must go
     "08-data-loading.ipynb": PanelCheck(("num_workers", "epochs"), ranks=True, moves=False),

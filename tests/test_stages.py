@@ -1,4 +1,4 @@
-"""The two-stage ConvNet, the stage planners (GPU counts mocked) and the schedules on paper."""
+"""The two-stage ConvNet (exported from notebook 06), the stage planners (GPU counts mocked), schedules on paper."""
 
 import matplotlib
 
@@ -70,6 +70,58 @@ def test_two_stage_refuses_bad_splits():
             stages.TwoStage(ConvNet(), bad)
     with pytest.raises(ValueError, match="2 devices"):
         stages.TwoStage(ConvNet(), 4, ("cpu",))
+
+
+def test_two_stage_names_parameters_as_the_unsplit_convnet_does():
+    net = ConvNet(batch_norm=False)
+    model = stages.TwoStage(net, 4)
+    assert model.convnet_name(0, "0.weight") == "layer1.0.weight"
+    assert model.convnet_name(1, "0.bias") == "layer2.0.bias"
+    assert model.convnet_name(1, "5.weight") == "fc.weight"
+    assert {k: v.shape for k, v in model.convnet_state().items()} == {k: v.shape for k, v in net.named_parameters()}
+
+
+@pytest.mark.parametrize("n_gpus, expect, kind", [
+    (0, ["cpu", "cpu"], "cpu"),
+    (1, ["cpu", "cpu"], "cpu"),
+    (2, ["cuda:0", "cuda:1"], "multi-gpu"),
+    (3, ["cuda:0", "cuda:1"], "multi-gpu"),
+])
+def test_pipeline_ranks_and_their_stage_times_share_one_device(n_gpus, expect, kind, monkeypatch):
+    """Issue: on one GPU the pipeline ranks ran on the CPU while the stage times behind the "perfect pipeline"
+    came from cuda:0. Now each rank times its own stage on the device the plan gives it; with one GPU that is the
+    CPU for both the pipeline and its stage times, never a mix."""
+    plan = stages.plan_pipeline(2, n_gpus=n_gpus)
+    assert [str(d) for d in plan.devices] == expect and plan.kind == kind
+    monkeypatch.setattr(stages, "gpu_count", lambda: n_gpus)
+    assert stages.plan_pipeline(2).devices == plan.devices  # what pp_rank reads in each rank
+    if n_gpus == 1:
+        assert "CPU" in plan.sentence and "measured on CPU" in plan.sentence
+        # the one-process plan of notebook 06 would put both stages on the GPU: a different device
+        assert stages.plan_stages(2).devices != plan.devices
+
+
+def test_stage_seconds_times_a_stage_on_its_device():
+    torch.manual_seed(0)
+    model = stages.TwoStage(ConvNet(batch_norm=False), 4)
+    x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    with torch.no_grad():
+        h = model.stage0(x)
+    assert stages.stage_seconds(model.stage0, x, None, "cpu", rounds=2) > 0
+    assert stages.stage_seconds(model.stage1, h, y, "cpu", rounds=2) > 0
+    assert model.stage1[0].weight.grad is not None
+
+
+def test_sweep_rows_put_measured_times_beside_the_perfect_pipeline():
+    rows = schedules.sweep_rows({1: [0.030, 0.032, 0.031], 4: [0.020, 0.021, 0.022]}, [0.015, 0.015], cost_s=0.001)
+    assert [r["m"] for r in rows] == [1, 4]
+    assert rows[0]["ms"] == pytest.approx(31.0) and rows[0]["lo"] == pytest.approx(30.0)
+    assert rows[0]["ideal"] == pytest.approx(30.0) and rows[1]["ideal"] == pytest.approx(30.0 * 5 / 8)
+    assert rows[1]["with_cost"] == pytest.approx(rows[1]["ideal"] + 4.0)
+    assert rows[1]["bubble"] == pytest.approx(schedules.bubble_fraction(2, 4))
+    schedules.print_rows(rows)
+    fig = schedules.plot_sweep(rows, "test")
+    assert fig.axes and fig.axes[0].get_title() == "test"
 
 
 def test_stage_memory_counts_parameters_and_saved_activations():
