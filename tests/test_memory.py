@@ -1,6 +1,6 @@
 """helpers.memory: the DDP / ZeRO formulas against sizes worked out by hand, and bytes measured from tensors.
 
-No backward pass runs in this process (FACTS.md): gradients are set by hand.
+No backward pass runs in this process (it would poison later GPU forks): gradients are set by hand.
 """
 
 import pytest
