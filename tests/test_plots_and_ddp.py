@@ -1,6 +1,7 @@
 """What the notebooks draw and what DDP ranks run, at test size."""
 
 import functools
+import itertools
 import os
 
 import matplotlib
@@ -64,12 +65,24 @@ def test_ddp_steps_match_one_process_with_the_big_batch():
     ref = launch(ddp.reference_rank, 1, data, 3, 32, 0.1, **quiet)[0]
     assert models.max_param_diff(out[0]["params"], ref["params"]) < 1e-5
     assert models.max_param_diff(out[0]["params"], out[1]["params"]) == 0.0
-    assert not set(out[0]["indices"]) & set(out[1]["indices"])
+    assert len(out[0]["losses"]) == 3 and out[0]["samples_per_s"] > 0
     with_bn = launch(functools.partial(ddp.ddp_steps, batch_norm=True), 2, data, 3, 16, 0.1, **quiet)
     bn_ref = launch(functools.partial(ddp.reference_rank, batch_norm=True), 1, data, 3, 32, 0.1, **quiet)[0]
     assert models.max_param_diff(with_bn[0]["params"], bn_ref["params"]) > 1e-4
     with pytest.raises(RankFailed, match="launch it with world_size=1"):
         launch(ddp.reference_rank, 2, data, 3, 32, 0.1, **quiet)
+
+
+def test_ddp_steps_match_one_process_across_epochs_and_warm_up_counts_untimed():
+    """Steps go on past an epoch (set_epoch reshuffles on both sides); the epoch's end needs no batch boundary."""
+    data = toy_set(3 * 16 * 2 + 5)  # 2 steps an epoch for 3 ranks of 16, 5 samples left over
+    quiet = dict(quiet=True, progress=False)
+    out = launch(ddp.ddp_steps, 3, data, 5, 16, 0.1, **quiet)
+    ref = launch(ddp.reference_rank, 1, data, 5, 48, 0.1, **quiet)[0]
+    assert models.max_param_diff(out[0]["params"], ref["params"]) < 1e-5
+    warm = launch(functools.partial(ddp.ddp_steps, warmup=2), 3, data, 3, 16, 0.1, **quiet)
+    assert len(warm[0]["losses"]) == 3
+    assert models.max_param_diff(warm[0]["params"], out[0]["params"]) < 1e-6, "2 untimed + 3 timed = 5 steps"
 
 
 @pytest.mark.parametrize("steps, batch, lr, error", [
@@ -78,17 +91,24 @@ def test_ddp_steps_match_one_process_with_the_big_batch():
 ])
 def test_ddp_helpers_refuse_bad_numbers_up_front(steps, batch, lr, error):
     with pytest.raises(error, match="steps|batch_size|lr"):
-        ddp.one_process_steps(toy_set(), steps, batch, lr)
+        ddp.check_steps(toy_set(), 2, batch, steps, lr)
 
 
-def test_ddp_steps_refuse_more_than_one_epoch():
-    data = toy_set(64)
-    try:
-        ddp.one_process_steps(data, 5, 32, 0.1)
-    except ValueError as e:
-        assert "more than one epoch" in str(e)
-    else:
-        raise AssertionError("expected ValueError")
+def test_ddp_steps_refuse_a_dataset_without_a_batch_per_rank():
+    with pytest.raises(ValueError, match="cannot give 2 rank"):
+        ddp.check_steps(toy_set(60), 2, 32, 1, 0.1)
+    ddp.check_steps(toy_set(64), 2, 32, 1000, 0.1)  # many epochs are fine
+
+
+def test_batches_reshuffle_every_epoch_with_set_epoch():
+    data = toy_set(8)
+    sampler = ddp.shard_sampler(range(8), 0, 2)
+    loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler)
+    first, second = (x for x, _ in itertools.islice(ddp.batches(sampler, loader), 2))
+    sampler.set_epoch(0)
+    assert torch.equal(first, data.tensors[0][list(sampler)]), "epoch 0: the sampler's order"
+    sampler.set_epoch(1)
+    assert torch.equal(second, data.tensors[0][list(sampler)]) and not torch.equal(first, second)
 
 
 def test_shard_sampler_shards_are_disjoint_and_cover():
