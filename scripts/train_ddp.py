@@ -90,24 +90,27 @@ def load_data(args) -> TensorDataset:
 
 def init_distributed(timeout: float, backend: str = "auto") -> tuple[int, int, torch.device]:
     """Join torchrun's group (or a group of one without torchrun); returns rank, world size, device."""
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    # the notebooks' planner: one GPU per rank -> NCCL; ranks sharing GPUs (round-robin) or no GPU -> gloo
+    # >>> set-up
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # this worker's index on its node: which GPU
+    # the notebooks' planner: a GPU per worker -> NCCL; workers sharing GPUs, or no GPU -> gloo
     plan = devices.plan(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), backend=None if backend == "auto" else backend)
-    device, backend = plan.devices[local], plan.backend
+    device, backend = plan.devices[local_rank], plan.backend
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if "RANK" not in os.environ:  # plain `python train_ddp.py`: one process, no rendezvous needed
         store, rank, world = dist.HashStore(), 0, 1
     else:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        # Each elastic attempt gets its own keys: a restarted group reusing the first attempt's keys failed or
-        # hung about half the time here (FACTS.md, torchrun).
+        # each restart attempt gets keys of its own: a restarted group that reused the first attempt's keys
+        # failed or hung in about half the tries on a busy 2-core machine
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                              timeout=timedelta(seconds=timeout))
         store = dist.PrefixStore(f"attempt_{attempt}", base)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout))
+    # device_id binds NCCL to this worker's GPU from the start (without it barrier() guesses and warns)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout),
+                            device_id=device if backend == "nccl" else None)
+    # <<< set-up
     return rank, world, device
 
 
@@ -122,15 +125,17 @@ def save(args, model, opt, step, epoch, in_epoch, rank, world) -> None:
 
 def resume(args, model, opt, device, rank, world) -> tuple[int, int, int]:
     """(step, epoch, step within the epoch) saved in --checkpoint; zeros when there is no file yet."""
+    # >>> resume
     if args.checkpoint is None or not args.checkpoint.exists():
         return 0, 0, 0
-    state = checkpoint.load(args.checkpoint, model, opt, map_location=device)
+    state = checkpoint.load(args.checkpoint, model, opt, map_location=device)  # onto this worker's own device
     mine = dict(world_size=world, seed=args.seed, batch_size=args.batch_size, lr=args.lr)
     theirs = {k: state[k] for k in mine}
     if theirs != mine:
         raise SetupError(f"{args.checkpoint} was written by a run with {theirs}; this run has {mine}: "
                          "its steps would differ. Use another --checkpoint path, or the same settings")
-    checkpoint.set_rng_state(state["rng"][rank])
+    checkpoint.set_rng_state(state["rng"][rank])  # this rank's generators, as they were at the save
+    # <<< resume
     return state["step"], state["epoch"], state["step_in_epoch"]
 
 
@@ -147,14 +152,17 @@ def train(args, dataset, rank, world, device) -> dict:
     step, epoch, in_epoch = resume(args, ddp, opt, device, rank, world)
     env = {k: os.environ.get(k, "-") for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE",
                                                 "TORCHELASTIC_RESTART_COUNT")}
-    print(f"[rank {rank}] pid {os.getpid()} " + " ".join(f"{k}={v}" for k, v in env.items()), flush=True)
+    # one write for the whole line: the workers of a node share one output, and print's two writes could interleave
+    print(f"[rank {rank}] pid {os.getpid()} " + " ".join(f"{k}={v}" for k, v in env.items()) + "\n", end="",
+          flush=True)
     if rank == 0:
         where = f"resumed at step {step} (epoch {epoch}, step {in_epoch} in it)" if step else "from scratch"
         print(f"[rank 0] world size {world} on {device} ({dist.get_backend()}); {total} steps of {world}x"
               f"{args.batch_size}, {per_epoch} per epoch; {where}", flush=True)
     start, first = time.perf_counter(), step
+    # >>> loop
     while step < total:
-        sampler.set_epoch(epoch)
+        sampler.set_epoch(epoch)  # the epoch's shuffle: the same on every rank, a new one each epoch
         # the epoch's shard from step `in_epoch` on: the same batches an uninterrupted pass would read next
         order = list(sampler)[in_epoch * args.batch_size:]
         loader = DataLoader(dataset, batch_size=args.batch_size, sampler=order, drop_last=True)
@@ -174,6 +182,7 @@ def train(args, dataset, rank, world, device) -> dict:
         epoch, in_epoch = divmod(step, per_epoch)
     if args.checkpoint is not None:
         save(args, ddp, opt, step, epoch, in_epoch, rank, world)
+    # <<< loop
     seconds = time.perf_counter() - start
     if rank == 0:
         print(f"[rank 0] done: {step} steps ({step - first} in this attempt, {seconds:.1f} s)"

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import json
 import shutil
+import types
 import subprocess
 import sys
 import time
@@ -35,7 +38,7 @@ def _script_processes(path) -> list:
 
 
 def _params(path: Path) -> dict:
-    return torch.load(path, weights_only=True)["model"]
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
 
 
 def _assert_equal(a: dict, b: dict) -> None:
@@ -203,3 +206,44 @@ def test_sbatch_dry_run_renders_one_torchrun_per_node(tmp_path):
     broken = tmp_path / "broken.sbatch"
     broken.write_text("#!/bin/bash\nif true; then\n")
     assert torchrun.sbatch_dry_run(2, 4, path=broken)["syntax"] != "ok"
+
+
+@pytest.mark.parametrize("gpus", [2, 0])
+def test_init_passes_device_id_under_nccl_only(monkeypatch, gpus):
+    # NCCL without device_id makes barrier() guess the GPU (torch warns); gloo on the CPU must not get one
+    script = _script_module()
+    devices_ = [torch.device("cuda", i) for i in range(2)] if gpus else [torch.device("cpu")] * 2
+    monkeypatch.setattr(script.devices, "plan", lambda n, backend=None: types.SimpleNamespace(
+        devices=devices_, backend="nccl" if gpus else "gloo"))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    seen = {}
+    monkeypatch.setattr(script.dist, "init_process_group", lambda backend, **kw: seen.update(kw, backend=backend))
+    monkeypatch.delenv("RANK", raising=False)  # no torchrun: a group of one on a HashStore
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    rank, world, device = script.init_distributed(timeout=5.0)
+    assert (rank, world, device) == (0, 1, devices_[1])
+    assert seen["device_id"] == (torch.device("cuda", 1) if gpus else None), seen
+
+
+def test_marked_parts_the_notebook_prints_are_there():
+    text = torchrun.SCRIPT.read_text().splitlines()
+    for part in ("set-up", "resume", "loop"):
+        marks = [line.strip() for line in text if line.strip() in (f"# >>> {part}", f"# <<< {part}")]
+        assert marks == [f"# >>> {part}", f"# <<< {part}"], part
+
+
+def test_every_torch_load_in_notebook_10_maps_to_the_cpu():
+    # a checkpoint a GPU rank wrote, loaded without map_location, starts CUDA in the kernel: every later launch fails
+    nb = Path(__file__).resolve().parent.parent / "notebooks" / "10-torchrun-and-clusters.ipynb"
+    loads = 0
+    for cell in json.loads(nb.read_text())["cells"]:
+        src = "".join(cell["source"])
+        if cell["cell_type"] != "code" or src.startswith("%%"):  # %%writefile cells are the workers' code
+            continue
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.load":
+                loads += 1
+                where = {k.arg: ast.unparse(k.value) for k in node.keywords}.get("map_location")
+                assert where == "'cpu'", f"torch.load without map_location='cpu': {ast.unparse(node)}"
+    assert loads >= 3
