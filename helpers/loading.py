@@ -1,15 +1,16 @@
-"""Feeding the model: a dataset with real per-item CPU work, and a DataLoader benchmark.
+"""The DataLoader benchmark's machinery: a dataset with real per-item CPU work, and honest timing.
 
 ``AugmentedFashion`` decodes each Fashion-MNIST image to a PIL image and
 augments it with torchvision's transforms v2, as image pipelines do: per item,
 in Python, on the CPU. That work is what DataLoader workers parallelise.
-``measure`` times one loader setting: samples/s, and per step the time spent
-waiting for the next batch against the time spent computing on it.
+``measure`` times one loader: samples/s, and per step the time spent waiting
+for the next batch against the time spent computing on it; ``sweep`` repeats
+that over settings. The DataLoaders themselves, and the DDP rank with workers,
+are written in notebooks/08-data-loading.ipynb.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
 from . import Stopped, data
@@ -116,17 +117,6 @@ def forward_step(model: torch.nn.Module, device="cpu"):
     return step
 
 
-def make_loader(dataset, batch_size: int = 256, num_workers: int = 0, pin_memory: bool = False,
-                persistent_workers: bool = False, prefetch_factor: int | None = None, shuffle: bool = True,
-                seed: int = 0, sampler=None) -> DataLoader:
-    """``data.make_loader`` with the benchmark's defaults: batch 256, workers not kept between epochs.
-
-    Introduced in notebooks/08-data-loading.ipynb.
-    """
-    return data.make_loader(dataset, batch_size, shuffle, num_workers, pin_memory, sampler, seed,
-                            persistent_workers=persistent_workers, prefetch_factor=prefetch_factor)
-
-
 def measure(loader, step=None, epochs: int = 1, max_batches: int | None = None, settings: dict | None = None,
             stop=None) -> LoaderRun:
     """Iterate ``loader`` for ``epochs`` (each cut at ``max_batches``), calling ``step(x, y)`` per batch.
@@ -167,22 +157,22 @@ def measure(loader, step=None, epochs: int = 1, max_batches: int | None = None, 
                      tuple(timeline))
 
 
-def sweep(dataset, settings: list[dict], step=None, repeats: int = 3, warmup: int = 1, epochs: int = 1,
-          max_batches: int | None = None, batch_size: int = 256, stop=None) -> list[dict]:
-    """Measure each setting ``repeats`` times, rounds alternating in order; per setting the median and spread.
+def sweep(make_loader, settings: list[dict], step=None, repeats: int = 3, warmup: int = 1, epochs: int = 1,
+          max_batches: int | None = None, stop=None) -> list[dict]:
+    """Measure ``make_loader(**setting)`` for each setting ``repeats`` times, rounds alternating; median and spread.
 
-    Each dict in ``settings`` holds ``make_loader`` keywords. Alternating the
-    order keeps a drifting machine from favouring whichever setting runs
-    first. Returns one dict per setting: the settings, ``median``, ``low`` and
-    ``high`` samples/s, ``wait_fraction`` (median) and every run.
+    ``make_loader`` builds a fresh loader from keywords (the notebook's own
+    function around ``DataLoader``). Alternating the order keeps a drifting
+    machine from favouring whichever setting runs first. Returns one dict per
+    setting: the settings, ``median``, ``low`` and ``high`` samples/s,
+    ``wait_fraction`` and ``first_batch_s`` (medians) and every run.
     Introduced in notebooks/08-data-loading.ipynb.
     """
     positive_int("repeats", repeats)
     runs: list[list[LoaderRun]] = [[] for _ in settings]
 
     def once(i):
-        loader = make_loader(dataset, batch_size=batch_size, **settings[i])
-        return measure(loader, step, epochs, max_batches, settings[i], stop)
+        return measure(make_loader(**settings[i]), step, epochs, max_batches, settings[i], stop)
 
     for i in range(len(settings)):
         for _ in range(warmup):
@@ -208,34 +198,20 @@ def best(results: list[dict]) -> dict:
     return max(results, key=lambda r: r["median"])
 
 
-def rank_with_workers(rank: int, world_size: int, dataset, num_workers: int, batches: int = 4,
-                      batch_size: int = 64, hold_s: float = 1.0) -> dict:
-    """A DDP rank that reads its shard through ``num_workers`` DataLoader workers and counts them.
 
-    After the first batch each rank lists its child processes (its workers),
-    reports them, and holds them alive ``hold_s`` seconds so that the parent
-    can count the whole process tree meanwhile. It returns while its
-    persistent workers still run: ``launch`` must clean them up.
+def table(rows: list[dict]) -> None:
+    """Print dicts as an aligned table: the keys as its header, one row per dict, large floats without decimals.
+
     Introduced in notebooks/08-data-loading.ipynb.
     """
-    import psutil
-    import torch.distributed as dist
-    from torch.utils.data.distributed import DistributedSampler
+    keys = list(dict.fromkeys(k for r in rows for k in r))
 
-    from ._rank import report
+    def cell(v) -> str:
+        if isinstance(v, float):
+            return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.2f}"
+        return str(v)
 
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
-    loader = make_loader(dataset, batch_size=batch_size, num_workers=num_workers, persistent_workers=True,
-                         sampler=sampler)
-    it = iter(loader)
-    samples = len(next(it)[1])
-    workers = [p.pid for p in psutil.Process().children(recursive=True)]
-    dist.barrier()  # every rank's workers are up before anyone reports
-    report(stage="workers up", workers=len(workers))
-    time.sleep(hold_s)
-    for _ in range(min(batches, len(loader)) - 1):
-        samples += len(next(it)[1])
-    dist.barrier()
-    rank_with_workers.kept = (loader, it)  # keep the workers running past return, as a crashed rank would
-    return {"rank": rank, "pid": os.getpid(), "worker_pids": workers, "samples": samples,
-            "threads": torch.get_num_threads()}
+    lines = [[str(k) for k in keys]] + [[cell(r.get(k, "")) for k in keys] for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(keys))]
+    for line in lines:
+        print("  ".join(v.rjust(w) for v, w in zip(line, widths)))

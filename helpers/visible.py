@@ -4,8 +4,10 @@ CUDA reads the variable once, when a process first initialises CUDA, and then
 renumbers what it lets through from 0: under ``"2,3"`` the process sees
 ``cuda:0`` and ``cuda:1``, which are physical GPUs 2 and 3. A bad mask is not
 an error to CUDA; it silently shows fewer GPUs (``cuda_would_see`` has the rule
-measured on an H100). So ``check_mask`` refuses bad masks with a clear message
-before anything runs.
+measured on one H100 with torch 2.11). So ``check_mask`` refuses bad masks with a clear message
+before anything runs. ``start_script``, which builds a child's environment
+with the mask, is written in notebooks/09-visible-devices.ipynb and exported
+here (the region at the end of this file).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def physical_gpus() -> list[dict]:
 def cuda_would_see(mask: str | None, n_physical: int) -> int:
     """How many devices CUDA shows under ``mask`` on a box with ``n_physical`` GPUs (indices only).
 
-    The rule measured on an H100 (FACTS.md): no mask → all; entries are read
+    The rule measured child by child on one H100 with torch 2.11: no mask → all; entries are read
     left to right and the list stops at the first invalid one (not a number,
     negative, or no such GPU); any duplicate hides every GPU.
     Introduced in notebooks/09-visible-devices.ipynb.
@@ -156,17 +158,6 @@ def run_script(mask: str, command: list[str], timeout: float = 120.0, check: boo
     return ChildOutput(mask, None, out, proc.returncode)
 
 
-def start_script(mask: str, command: list[str], check: bool = True, env: dict | None = None) -> subprocess.Popen:
-    """Start ``command`` with ``mask`` and return the Popen at once (stdout with stderr, as text): jobs side by side.
-
-    Introduced in notebooks/09-visible-devices.ipynb.
-    """
-    if check:
-        check_mask(mask)
-    child_env = {**os.environ, **(env or {}), VAR: mask}
-    return subprocess.Popen(command, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
 def run_function(mask: str, fn, *args, timeout: float = 120.0, check: bool = True,
                  env: dict | None = None) -> ChildOutput:
     """Run ``fn(*args)`` in a forked child that sees only ``mask``'s GPUs; return its value and what it printed.
@@ -211,3 +202,17 @@ def launch_on(mask: str, fn, world_size: int, *args, **kwargs):
 
     with masked(mask):
         return launch(fn, world_size, *args, **kwargs)
+
+
+# ---- exported from notebooks/09-visible-devices.ipynb: edit it there, then run `make export` ----
+def start_script(mask: str, command: list[str], check: bool = True, env: dict | None = None) -> subprocess.Popen:
+    """Start ``command`` seeing only ``mask``'s GPUs; return its Popen at once (stdout with stderr, as text).
+
+    Introduced in notebooks/09-visible-devices.ipynb.
+    """
+    if check:
+        check_mask(mask)
+    child_env = {**os.environ, **(env or {})}
+    child_env.update(CUDA_VISIBLE_DEVICES=mask)  # the child's CUDA reads it when it starts
+    return subprocess.Popen(command, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+# ---- end of export from notebooks/09-visible-devices.ipynb ----

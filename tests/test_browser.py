@@ -299,7 +299,7 @@ PANELS = {
     "03-ddp-fork.ipynb": PanelCheck(("steps", "batch"), ranks=True),
     "05-large-batch.ipynb": PanelCheck(("steps",), ranks=True, menus=("precision",)),
     "07-pipelines.ipynb": PanelCheck(("micro-batches",), ranks=True, menus=("split",)),
-    # 06's run is one launched child measuring a loader, which prints its numbers when it ends; the longest run
+    # 08's run is one launched child measuring a loader, which prints its numbers when it ends; the longest run
     # (most workers, most epochs) lasts seconds, long enough to Stop it: the child and its workers must go
     "08-data-loading.ipynb": PanelCheck(("num_workers", "epochs"), ranks=True, moves=False),
 }

@@ -1,5 +1,9 @@
-"""helpers.loading: the augmented dataset, the loader benchmark's figures, workers inside forked ranks."""
+"""helpers.loading: the augmented dataset and the loader benchmark; launch removing the workers of forked ranks.
 
+The DataLoader settings and the DDP rank with workers are written in notebooks/08-data-loading.ipynb, whose
+asserts check them (CI runs it); here a plain DataLoader stands in for the notebook's."""
+
+import os
 import threading
 
 import numpy as np
@@ -9,12 +13,18 @@ import torch
 import helpers
 from helpers import loading, procs
 from helpers.launch import launch
+from torch.utils.data import DataLoader
 
 
 def tiny(n=40, size=12):
     rng = np.random.default_rng(0)
     return loading.AugmentedFashion(images=rng.integers(0, 256, (n, size, size), dtype=np.uint8),
                                     labels=np.arange(n) % 10)
+
+
+def make_loader(dataset, batch_size=8, num_workers=0, persistent_workers=False, prefetch_factor=None):
+    return DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=num_workers,
+                      persistent_workers=persistent_workers, prefetch_factor=prefetch_factor)
 
 
 def test_items_are_augmented_tensors():
@@ -36,7 +46,7 @@ def test_real_files_load_with_limit():
 def test_measure_counts_samples_steps_and_splits_time():
     ds = tiny(40)
     calls = []
-    loader = loading.make_loader(ds, batch_size=8, num_workers=0)
+    loader = make_loader(ds)
     run = loading.measure(loader, step=lambda x, y: calls.append(len(y)), epochs=2, settings={"w": 0})
     assert (run.samples, run.steps, sum(calls)) == (80, 10, 80)
     assert run.wait_s > 0 and run.compute_s >= 0 and run.wait_s + run.compute_s <= run.seconds
@@ -65,7 +75,7 @@ def test_measure_counts_starting_the_workers_as_waiting():
 
 def test_measure_sees_a_slow_step_as_compute():
     import time
-    run = loading.measure(loading.make_loader(tiny(16), batch_size=8), step=lambda x, y: time.sleep(0.5))
+    run = loading.measure(make_loader(tiny(16)), step=lambda x, y: time.sleep(0.5))
     assert run.compute_s >= 1.0 and run.wait_fraction < 0.5
 
 
@@ -73,12 +83,13 @@ def test_measure_stops_on_request():
     stop = threading.Event()
     stop.set()
     with pytest.raises(helpers.Stopped):
-        loading.measure(loading.make_loader(tiny(), batch_size=8), stop=stop)
+        loading.measure(make_loader(tiny()), stop=stop)
 
 
 def test_sweep_reports_median_within_spread_and_best():
     settings = [{"num_workers": 0}, {"num_workers": 1, "persistent_workers": True, "prefetch_factor": 4}]
-    out = loading.sweep(tiny(32), settings, repeats=3, warmup=0, batch_size=8, epochs=2)
+    ds = tiny(32)
+    out = loading.sweep(lambda **s: make_loader(ds, **s), settings, repeats=3, warmup=0, epochs=2)
     assert [r["settings"] for r in out] == settings
     for r in out:
         assert len(r["runs"]) == 3 and r["low"] <= r["median"] <= r["high"]
@@ -86,14 +97,6 @@ def test_sweep_reports_median_within_spread_and_best():
     assert loading.best(out)["median"] == max(r["median"] for r in out)
     with pytest.raises(ValueError):
         loading.best([])
-
-
-def test_make_loader_settings():
-    loader = loading.make_loader(tiny(), num_workers=2, persistent_workers=True, prefetch_factor=3, pin_memory=False)
-    assert (loader.num_workers, loader.persistent_workers, loader.prefetch_factor) == (2, True, 3)
-    assert loading.make_loader(tiny(), num_workers=0, persistent_workers=True).prefetch_factor is None
-    with pytest.raises(ValueError):
-        loading.make_loader(tiny(), num_workers=-1)
 
 
 def test_forward_step_runs_the_model_without_autograd():
@@ -108,12 +111,26 @@ def test_forward_step_runs_the_model_without_autograd():
     assert seen == [((4, 3), False)]
 
 
-def test_workers_inside_forked_ranks_are_counted_and_cleaned_up():
-    events = []
-    res = launch(loading.rank_with_workers, 2, tiny(64), 2, 3, 8, 0.3, quiet=True, progress=False,
-                 on_event=lambda rank, m: events.append((rank, m)))
+def rank_leaving_workers(rank, world_size, dataset, num_workers):
+    """A rank that returns while its persistent DataLoader workers still run, as a crashed rank would leave them."""
+    import psutil
+    loader = make_loader(dataset, num_workers=num_workers, persistent_workers=True)
+    it = iter(loader)
+    next(it)
+    rank_leaving_workers.kept = (loader, it)
+    return {"pid": os.getpid(), "worker_pids": [p.pid for p in psutil.Process().children(recursive=True)],
+            "threads": torch.get_num_threads()}
+
+
+def test_launch_kills_the_dataloader_workers_of_forked_ranks():
+    res = launch(rank_leaving_workers, 2, tiny(64), 2, quiet=True, progress=False)
     pids = [p for r in res for p in r["worker_pids"]]
     assert [len(r["worker_pids"]) for r in res] == [2, 2] and len(set(pids)) == 4
     assert all(r["threads"] == 1 for r in res)
-    assert sorted(m["workers"] for _, m in events) == [2, 2]
     assert procs.alive(pids) == [], "launch must kill every rank's DataLoader workers"
+
+
+def test_table_aligns_columns(capsys):
+    loading.table([{"num_workers": 0, "samples/s": 1234.56}, {"num_workers": 12, "samples/s": 0.5, "note": "x"}])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["num_workers  samples/s  note", "          0      1,235      ", "         12       0.50     x"]

@@ -8,7 +8,7 @@ import torch
 
 from helpers import visible
 
-# FACTS.md, measured on a lent H100 (one GPU): mask → devices a child saw.
+# Measured on one H100 with torch 2.11 (one GPU), a child per mask: mask → devices the child saw.
 MEASURED_ONE_GPU = {"": 0, "0": 1, "1": 0, "0,0": 0, "0,1": 1, "1,0": 0, "abc": 0, "-1": 0}
 
 
@@ -85,8 +85,9 @@ def test_run_function_reports_errors_and_bad_masks():
     with pytest.raises(visible.MaskError):
         visible.run_function("0,0", report_env, 1)
     assert visible.run_function("0,0", report_env, 1, check=False).value[0] == "0,0"
-    order = visible.run_function("", os.environ.get, "CUDA_DEVICE_ORDER", env={"CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
-    assert order.value == "PCI_BUS_ID" and os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID"
+    here = os.environ.get("CUDA_DEVICE_ORDER")  # PCI_BUS_ID: helpers sets it on import
+    order = visible.run_function("", os.environ.get, "CUDA_DEVICE_ORDER", env={"CUDA_DEVICE_ORDER": "FASTEST_FIRST"})
+    assert order.value == "FASTEST_FIRST" and os.environ.get("CUDA_DEVICE_ORDER") == here != "FASTEST_FIRST"
 
 
 def test_run_script_sees_the_mask(tmp_path):
@@ -100,6 +101,15 @@ def test_run_script_sees_the_mask(tmp_path):
         visible.run_script("3,1", [sys.executable, str(script)])
     with pytest.raises(RuntimeError, match="exit code 3"):
         visible.run_script("", [sys.executable, "-c", "import sys; print('bad'); sys.exit(3)"])
+
+
+def test_start_script_gives_the_child_the_mask_and_env(monkeypatch):
+    monkeypatch.setenv(visible.VAR, "7")
+    p = visible.start_script("", [sys.executable, "-c", "import os; print(repr(os.environ['CUDA_VISIBLE_DEVICES']), "
+                                  "os.environ['EXTRA'])"], env={"EXTRA": "x", visible.VAR: "5"})
+    assert p.communicate(timeout=60)[0] == "'' x\n" and os.environ[visible.VAR] == "7"
+    with pytest.raises(visible.MaskError):
+        visible.start_script("0,0", [sys.executable, "-c", "pass"])
 
 
 def rank_sees(rank, world_size):
@@ -119,11 +129,11 @@ def test_launch_on_a_subset_restores_the_parent(monkeypatch):
 def test_plan_inside_masked_sees_the_subset(monkeypatch):
     from helpers import devices
 
-    def count():  # what torch's NVML-based count does: read the mask at call time
+    def count():  # what torch's NVML count does: read the mask at call time
         mask = os.environ.get(visible.VAR)
         return 4 if mask is None else visible.cuda_would_see(mask, 4)
-    monkeypatch.setattr(torch.cuda, "device_count", count)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: count() > 0)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", count)
+    monkeypatch.setattr(devices, "driver_check", lambda: None)
     monkeypatch.delenv(visible.VAR, raising=False)
     assert devices.plan(2).kind == "multi-gpu"
     with visible.masked("3", 4):
