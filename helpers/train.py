@@ -1,8 +1,10 @@
 """One device, one process: train an epoch, evaluate, fit over epochs.
 
-The loop keeps its running loss and accuracy on the device and reads them once
-per epoch, so it never waits on the GPU inside a step (a ``loss.item()`` per
-step would). The same functions run inside every DDP rank in later notebooks.
+``train_one_epoch`` and ``evaluate`` are written in notebooks/01-single-gpu.ipynb and exported here (the region at
+the end of this file); every DDP rank in later notebooks runs them. The loop keeps its running loss and accuracy on
+the device (``Tally``) and reads them once per pass, so it never waits on the GPU inside a step (a
+``loss.item()`` per step would). Around them: timing sync, full-fp32 and autocast contexts, the Stop and
+LR-schedule hooks, and ``fit`` (epochs with a progress bar).
 """
 
 from __future__ import annotations
@@ -88,20 +90,18 @@ def make_scaler(device, amp: str | None):
     return None
 
 
-def _batches(loader, device):
-    for x, y in loader:
-        yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+class Tally:
+    """Running loss and accuracy kept on the device; ``stats()`` reads them with one sync, at the end.
 
-
-class _Tally:
-    """Running loss and accuracy kept on the device, read (one sync) at the end."""
+    Introduced in notebooks/01-single-gpu.ipynb.
+    """
 
     def __init__(self, device):
-        self.device = device
-        self.loss = torch.zeros((), device=device)
-        self.correct = torch.zeros((), dtype=torch.long, device=device)
+        self.device = torch.device(device)
+        self.loss = torch.zeros((), device=self.device)
+        self.correct = torch.zeros((), dtype=torch.long, device=self.device)
         self.seen = 0
-        sync(device)
+        sync(self.device)
         self.start = time.perf_counter()
 
     def add(self, loss_sum, out, y) -> None:
@@ -117,67 +117,35 @@ class _Tally:
         return Stats(self.loss.item() / self.seen, self.correct.item() / self.seen, self.seen, seconds)
 
 
-def train_one_epoch(model, loader, optimizer, device, *, amp=None, scaler=None, scheduler=None,
-                    loss_fn=F.cross_entropy, on_step=None, max_steps=None, stop=None) -> Stats:
-    """Train one pass over ``loader``; returns mean loss, accuracy, samples, seconds.
+def stop_if_asked(stop, tally: Tally, step: int) -> None:
+    """Raise ``helpers.Stopped`` (with the pass so far as ``partial``) once ``stop`` (a threading.Event) is set.
 
-    ``on_step(step, loss_tensor)`` is called after every step (it may call
-    ``.item()``; the loop itself never does). ``max_steps`` stops early.
-    ``scheduler`` (an LR scheduler) steps after every optimizer step.
-    ``stop`` (a ``threading.Event``) is checked before each step; once set,
-    ``helpers.Stopped`` is raised with the pass so far as ``partial``.
     Introduced in notebooks/01-single-gpu.ipynb.
     """
-    device = torch.device(device)
-    model.train()
-    tally = _Tally(device)
-    # with fp16's GradScaler a step may be skipped, and then the schedule must not advance: the scale it lowers
-    # tells; read once here and after each update (a sync at the end of the step, not in its middle)
-    scale = scaler.get_scale() if scaler is not None and scheduler is not None else None
-    for step, (x, y) in enumerate(_batches(loader, device)):
-        if max_steps is not None and step >= max_steps:
-            break
-        if stop is not None and stop.is_set():
-            raise Stopped(f"stopped on request after {step} steps of this pass",
-                          partial=tally.stats() if tally.seen else None)
-        with autocast(device, amp):
-            out = model(x)
-            loss = loss_fn(out, y)
-        optimizer.zero_grad(set_to_none=True)
-        stepped = True
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            if scale is not None:  # GradScaler skipped the step (overflow) iff it lowered its scale
-                now = scaler.get_scale()
-                stepped, scale = now >= scale, now
-        else:
-            loss.backward()
-            optimizer.step()
-        if scheduler is not None and stepped:
+    if stop is not None and stop.is_set():
+        raise Stopped(f"stopped on request after {step} steps of this pass",
+                      partial=tally.stats() if tally.seen else None)
+
+
+def schedule_after_step(scheduler, scaler):
+    """A function to call after each optimizer step: steps ``scheduler``, unless fp16's GradScaler skipped the step.
+
+    GradScaler skips a step whose gradients overflowed, and then lowers its scale; the schedule must not advance
+    then. The scale is read once per step, after the update (a sync at the end of the step, not in its middle).
+    Introduced in notebooks/01-single-gpu.ipynb.
+    """
+    if scheduler is None:
+        return lambda: None
+    if scaler is None:
+        return scheduler.step
+    last = [scaler.get_scale()]
+
+    def after_step():
+        now = scaler.get_scale()
+        if now >= last[0]:  # lowered iff the step was skipped
             scheduler.step()
-        tally.add(loss.detach() * y.shape[0], out, y)
-        if on_step is not None:
-            on_step(step, loss)
-    return tally.stats()
-
-
-@torch.no_grad()
-def evaluate(model, loader, device, *, amp=None, loss_fn=F.cross_entropy) -> Stats:
-    """Mean loss and accuracy over ``loader`` in eval mode.
-
-    Introduced in notebooks/01-single-gpu.ipynb.
-    """
-    device = torch.device(device)
-    model.eval()
-    tally = _Tally(device)
-    for x, y in _batches(loader, device):
-        with autocast(device, amp):
-            out = model(x)
-            loss_sum = loss_fn(out, y, reduction="sum").float()
-        tally.add(loss_sum, out, y)
-    return tally.stats()
+        last[0] = now
+    return after_step
 
 
 def _set_epoch(loader, epoch: int) -> None:
@@ -231,3 +199,56 @@ def fit(model, train_loader, test_loader, optimizer, device, epochs: int, *, amp
             if on_epoch is not None:
                 on_epoch(row)
     return history
+
+
+# ---- exported from notebooks/01-single-gpu.ipynb: edit it there, then run `make export` ----
+def train_one_epoch(model, loader, optimizer, device, *, amp=None, scaler=None, scheduler=None,
+                    loss_fn=F.cross_entropy, on_step=None, max_steps=None, stop=None) -> Stats:
+    """One training pass over ``loader``; returns its Stats (mean loss, accuracy, samples, seconds).
+
+    Introduced in notebooks/01-single-gpu.ipynb.
+    """
+    device = torch.device(device)
+    model.train()
+    tally = Tally(device)  # loss and accuracy sums, kept on the device
+    after_step = schedule_after_step(scheduler, scaler)
+    for step, (x, y) in enumerate(loader):
+        if step == max_steps:
+            break
+        stop_if_asked(stop, tally, step)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with autocast(device, amp):  # does nothing unless amp is "bf16" or "fp16"
+            out = model(x)
+            loss = loss_fn(out, y)
+        optimizer.zero_grad(set_to_none=True)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:  # fp16: scale the loss up so small gradients survive, unscale before the step
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        after_step()  # the learning-rate schedule, if any
+        tally.add(loss.detach() * y.shape[0], out, y)  # no .item(): nothing waits for the device here
+        if on_step is not None:
+            on_step(step, loss)
+    return tally.stats()
+
+
+@torch.no_grad()
+def evaluate(model, loader, device, *, amp=None, loss_fn=F.cross_entropy) -> Stats:
+    """Mean loss and accuracy over ``loader``, without gradients.
+
+    Introduced in notebooks/01-single-gpu.ipynb.
+    """
+    device = torch.device(device)
+    model.eval()
+    tally = Tally(device)
+    for x, y in loader:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with autocast(device, amp):
+            out = model(x)
+            loss_sum = loss_fn(out, y, reduction="sum").float()
+        tally.add(loss_sum, out, y)
+    return tally.stats()
+# ---- end of export from notebooks/01-single-gpu.ipynb ----

@@ -159,3 +159,35 @@ def test_verdict_picks_the_sentence_by_the_number():
     assert bench.verdict(1.1, cases, "faster: {value:.1f}x", where="cpu") == "faster: 1.1x"
     with pytest.raises(ValueError, match="increase"):
         bench.verdict(1.0, cases[::-1], "x")
+
+
+def test_the_loop_and_the_model_are_the_ones_written_in_notebook_01():
+    """train_one_epoch, evaluate and ConvNet are exported from 01's cells (scripts/export.py): the same text."""
+    import inspect
+    import json
+    from pathlib import Path
+
+    nb = json.loads((Path(__file__).resolve().parent.parent / "notebooks" / "01-single-gpu.ipynb").read_text())
+    cells = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+    for obj in (train.train_one_epoch, train.evaluate, models.ConvNet):
+        assert inspect.getsource(obj) in cells, f"{obj.__name__} is not the code notebook 01 writes"
+
+
+def test_the_schedule_hook_steps_after_each_step_and_the_stop_hook_raises():
+    import threading
+
+    from helpers import Stopped
+
+    assert train.schedule_after_step(None, None)() is None
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    opt.step()
+    train.schedule_after_step(sched, None)()
+    assert sched.last_epoch == 1
+    tally = train.Tally("cpu")
+    stop = threading.Event()
+    train.stop_if_asked(stop, tally, 0)  # not set: nothing happens
+    stop.set()
+    with pytest.raises(Stopped, match="after 3 steps") as info:
+        train.stop_if_asked(stop, tally, 3)
+    assert info.value.partial is None, "nothing seen yet: no partial pass"
