@@ -4,7 +4,7 @@ Starts JupyterLab on 127.0.0.1 with a token on a temporary copy of notebooks/
 (nothing it saves can touch the repository), drives Debian's chromium through
 the ``playwright`` package (no browser download), and for every notebook: opens
 it with ``?reset``, runs all cells, and fails on any error output. Where a
-notebook has a panel (``PANELS``: 01, 03, 04, 05, 06) it then pushes a control
+notebook has a panel (``PANELS``: 01, 03, 05, 07, 08) it then pushes a control
 to its end, clicks Run, sees the progress move, clicks Stop mid-run (the rank
 processes must be gone), sets the control to its start and runs again to the
 end (drawn, no error, no process left).
