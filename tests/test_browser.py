@@ -178,7 +178,9 @@ def _wait(condition, timeout: float, what: str, page=None, interval: float = 0.2
 
 
 def _prompts(page) -> list[str]:
-    return page.locator(".jp-Notebook .jp-CodeCell .jp-InputPrompt").all_inner_texts()
+    # text content, not inner text: a solution cell's collapsed input hides its prompt ("[*]:" included) from
+    # inner text, and Run All would look finished while the solutions still run
+    return page.locator(".jp-Notebook .jp-CodeCell .jp-InputPrompt").all_text_contents()
 
 
 def _panel_errors(page) -> list[str]:
@@ -217,9 +219,14 @@ def _open_and_run_all(page, lab: Lab, name: str) -> None:
     page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
     page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
     start = time.monotonic()
+    idle_polls = []
+
     def finished():  # Run All stops at the first error and leaves the cells after it unrun: no "[*]" either way
         prompts = _prompts(page)
-        return "[*]:" not in prompts and any(re.match(r"\[\d+\]:", p) for p in prompts)
+        shown = "[*]:" not in prompts and any(re.match(r"\[\d+\]:", p) for p in prompts)
+        # and the kernel idle in three polls running: a prompt can hide (a solution cell's collapsed input)
+        idle_polls.append(shown and all(k["execution_state"] == "idle" for k in lab.api("kernels")))
+        return len(idle_polls) >= 3 and all(idle_polls[-3:])
 
     _wait(lambda: "[*]:" in _prompts(page) or finished(), 30, "Run All to start", page, 0.05)
     _wait(finished, RUN_ALL_TIMEOUT, f"{name} to run", page, 0.5)
