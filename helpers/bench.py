@@ -13,7 +13,7 @@ def time_it(fn, *, device="cpu", warmup: int = 1, repeats: int = 5) -> dict:
 
     Returns median, min and all seconds; the device is synchronised around
     each timed call so queued GPU work is counted.
-    Introduced in notebooks/01-single-gpu.ipynb.
+    Machinery behind bench.compare; no notebook calls it directly.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")

@@ -41,7 +41,7 @@ class CheckpointError(CorruptFile):
 def unwrap(model: nn.Module) -> nn.Module:
     """The model inside DDP / DataParallel / torch.compile wrappers, whose state_dict has plain names.
 
-    Introduced in notebooks/04-ddp-habits.ipynb.
+    Machinery behind checkpoint.save; no notebook calls it directly.
     """
     while True:
         inner = getattr(model, "module", None)

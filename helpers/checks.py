@@ -9,7 +9,7 @@ import numbers
 def positive_int(name: str, value, minimum: int = 1) -> int:
     """``value`` if it is a whole number >= ``minimum`` (a bool or 3.0 is refused), else a clear error.
 
-    Introduced in notebooks/01-single-gpu.ipynb.
+    Introduced in notebooks/06-model-parallel.ipynb.
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be a whole number, got {value!r}")
@@ -21,7 +21,7 @@ def positive_int(name: str, value, minimum: int = 1) -> int:
 def positive_number(name: str, value) -> float:
     """``value`` if it is a finite number > 0 (a learning rate, seconds), else a clear error.
 
-    Introduced in notebooks/01-single-gpu.ipynb.
+    Machinery behind the helpers' argument checks; no notebook calls it directly.
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {value!r}")

@@ -69,7 +69,7 @@ def find_dataset(name: str = "fashion", root: str | os.PathLike | None = None, d
     /usr/share/datasets/fashion-mnist; then downloads with torchvision into
     the first writable of those. Raises DatasetNotFound listing every place.
 
-    Introduced in notebooks/01-single-gpu.ipynb.
+    Machinery behind data.get_datasets; no notebook calls it directly.
     """
     if name not in TORCHVISION_DIRS:
         raise ValueError(f"dataset must be one of {sorted(TORCHVISION_DIRS)}, got {name!r}")
@@ -107,7 +107,7 @@ def _download(name: str, target: Path) -> Path:
 def read_idx(path: str | os.PathLike) -> np.ndarray:
     """Read one IDX file (``.gz`` or raw) into a numpy array of its shape.
 
-    Introduced in notebooks/01-single-gpu.ipynb.
+    Machinery behind data.get_datasets; no notebook calls it directly.
     """
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
@@ -146,7 +146,7 @@ def load_split(
     """Images as normalised float32 (N, 1, 28, 28) and labels as int64 (N,).
 
     ``limit`` keeps the first N examples (smoke mode uses this).
-    Introduced in notebooks/01-single-gpu.ipynb.
+    Introduced in notebooks/08-data-loading.ipynb.
     """
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")

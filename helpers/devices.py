@@ -58,7 +58,7 @@ def cpu_cores() -> int:
 def gpu_count() -> int:
     """Number of CUDA GPUs ranks can use, counted without creating a CUDA context (0 where ``gpu_problem()`` says why).
 
-    Introduced in notebooks/00-check-environment.ipynb.
+    Introduced in notebooks/01-single-gpu.ipynb.
     """
     return _usable()[0]
 
@@ -66,7 +66,7 @@ def gpu_count() -> int:
 def gpu_problem() -> str | None:
     """Why GPUs that this machine seems to have are not used (MIG slices, no NVML, an old driver), else None.
 
-    Introduced in notebooks/00-check-environment.ipynb.
+    Machinery behind devices.plan (its sentence); no notebook calls it directly.
     """
     return _usable()[1]
 
@@ -74,7 +74,7 @@ def gpu_problem() -> str | None:
 def visible_gpu_count() -> int:
     """GPUs that NVML sees under ``CUDA_VISIBLE_DEVICES``, usable or not (0 where NVML cannot count).
 
-    Introduced in notebooks/00-check-environment.ipynb.
+    Machinery behind devices.describe; no notebook calls it directly.
     """
     if torch.cuda.is_initialized():
         return torch.cuda.device_count()
@@ -229,7 +229,7 @@ def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
     slower was seen on a 2-core AVX2 server), so a notebook times a few steps before it sizes a bf16 run.
     ``cpuinfo`` is read as text; by default ``$MULTIGPU_CPUINFO`` or ``/proc/cpuinfo`` (a test points the
     variable at a copy with the flags masked, to run a notebook's no-bf16 route on a CPU that has bf16).
-    Introduced in notebooks/05-large-batch.ipynb.
+    Machinery behind devices.has_bf16; no notebook calls it directly.
     """
     cpuinfo = cpuinfo or os.environ.get("MULTIGPU_CPUINFO") or "/proc/cpuinfo"
     try:
@@ -248,7 +248,7 @@ def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
 def gpu_capability(index: int) -> tuple[int, int] | None:
     """Compute capability of visible GPU ``index`` from NVML (no CUDA context), or None where it cannot be read.
 
-    Introduced in notebooks/05-large-batch.ipynb.
+    Machinery behind devices.has_bf16; no notebook calls it directly.
     """
     with _nvml() as nvml:
         if nvml is None:

@@ -53,7 +53,7 @@ class CudaPoisoned(CudaInitialized):
 class LaunchResult(list):
     """Every rank's return value, indexed by rank, plus what the launch used.
 
-    Introduced in notebooks/03-ddp-fork.ipynb.
+    Machinery behind launch (its return value); no notebook calls it directly.
     """
 
     def __init__(self, values, plan: devices.Plan, port: int, seconds: float):
@@ -77,7 +77,7 @@ def prewarm() -> float:
     Forked ranks inherit them, so a launch reaches its first step in about a
     tenth of a second instead of a couple of seconds per launch. Returns the
     seconds spent (close to 0 after the first call).
-    Introduced in notebooks/03-ddp-fork.ipynb.
+    Machinery behind launch; no notebook calls it directly.
     """
     start = time.perf_counter()
     import torch._dynamo  # noqa: F401  (DDP's constructor imports it)
@@ -109,7 +109,7 @@ def rank_limit() -> int:
     Each rank is a whole process with its own copy of the model (and, on a GPU,
     its own CUDA context of several hundred MB); more than four ranks a core
     only take turns, so a larger number is almost always a typo.
-    Introduced in notebooks/03-ddp-fork.ipynb.
+    Machinery behind launch; no notebook calls it directly.
     """
     return max(8, 4 * devices.cpu_cores(), devices.gpu_count())
 

@@ -80,7 +80,7 @@ def plot_curves(curves: dict[str, list[tuple[float, float]]], xlabel: str, ylabe
                 title: str = "", ax=None):
     """One line per named series of (x, y) points: loss curves of several runs, say.
 
-    Introduced in notebooks/01-single-gpu.ipynb.
+    Machinery behind the panels' plots; no notebook calls it directly.
     """
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3.2))
@@ -103,7 +103,7 @@ def plot_curves(curves: dict[str, list[tuple[float, float]]], xlabel: str, ylabe
 def figure_png(fig, dpi: int = 80) -> bytes:
     """A figure as PNG bytes, for an ``ipywidgets.Image`` (which, unlike display handles, updates in place).
 
-    Introduced in notebooks/03-ddp-fork.ipynb.
+    Introduced in notebooks/11-fsdp.ipynb.
     """
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=dpi, bbox_inches="tight")  # a legend below the axes stays in

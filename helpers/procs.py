@@ -17,7 +17,7 @@ import psutil
 def kill_all(procs) -> None:
     """SIGKILL each rank's whole process group (its DataLoader workers too) and wait until they are gone.
 
-    Introduced in notebooks/03-ddp-fork.ipynb.
+    Machinery behind launch; no notebook calls it directly.
     """
     started = [proc for proc in procs if proc.pid is not None]
     for proc in started:
@@ -55,7 +55,7 @@ def call_in_child(fn, *args, timeout: float = 60.0, name: str = "child"):
     unpicklable, ends without answering (``ChildDied``); one still busy after
     ``timeout`` seconds is killed (``TimeoutError``). The child leaves with
     ``os._exit``, never through a notebook kernel's exit handlers.
-    Introduced in notebooks/03-ddp-fork.ipynb.
+    Machinery behind launch's CUDA canary; no notebook calls it directly.
     """
     import multiprocessing as mp
 
@@ -96,7 +96,7 @@ def cuda_canary(device, timeout: float = 60.0) -> str | None:
     A fork after CUDA work in the parent, or after a backward pass there, leaves
     children unable to start CUDA while the parent still looks clean; this finds
     out before any rank is forked.
-    Introduced in notebooks/03-ddp-fork.ipynb.
+    Machinery behind launch; no notebook calls it directly.
     """
     try:
         return call_in_child(_start_cuda, device, timeout=timeout, name="cuda-canary")

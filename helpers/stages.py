@@ -145,7 +145,7 @@ def saved_bytes(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
 
     This is a stage's activation memory per batch: what it must hold until
     the backward pass (tensors saved twice are counted once).
-    Introduced in notebooks/06-model-parallel.ipynb.
+    Machinery behind stages' memory figures; no notebook calls it directly.
     """
     seen: dict[tuple, int] = {}
 

@@ -163,7 +163,7 @@ def _failure(what: str, results: dict) -> str:
 def kill_tree(pid: int) -> None:
     """SIGKILL process ``pid``, every descendant and their process groups (torchrun's workers lead their own).
 
-    Introduced in notebooks/10-torchrun-and-clusters.ipynb.
+    Machinery behind torchrun.run; no notebook calls it directly.
     """
     try:
         root = psutil.Process(pid)

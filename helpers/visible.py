@@ -108,7 +108,7 @@ def masked(mask: str, n_physical: int | None = None):
     afterwards makes ``device_count()`` disagree with the live context (measured:
     the next synchronize fails), so this refuses then. Children forked or
     started inside the block (``launch``'s ranks) see the subset.
-    Introduced in notebooks/09-visible-devices.ipynb.
+    Machinery behind visible.start_script; no notebook calls it directly.
     """
     check_mask(mask, n_physical)
     if torch.cuda.is_initialized():

@@ -46,7 +46,7 @@ class Run:
 def run_labels(runs: list[Run]) -> list[str]:
     """A label per run naming only the settings that differ between the runs (``run N`` when none do).
 
-    Introduced in notebooks/01-single-gpu.ipynb.
+    Machinery behind ExperimentPanel; no notebook calls it directly.
     """
     keys = [k for k in (runs[0].values if runs else {}) if len({repr(r.values.get(k)) for r in runs}) > 1]
     labels = [", ".join(f"{k}={r.values.get(k)}" for k in keys) or f"run {i + 1}" for i, r in enumerate(runs)]
