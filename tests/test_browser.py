@@ -259,7 +259,7 @@ def _choose_last(panel, label: str) -> str:
     menu = panel.locator(".widget-dropdown", has=panel.page.locator("label", has_text=label)).locator("select")
     options = menu.locator("option").all_inner_texts()
     menu.select_option(label=options[-1])
-    return options[-1]
+    return options[-1].replace("\xa0", " ")  # ipywidgets shows an option's spaces as no-break spaces
 
 
 def _progress(panel) -> str:
