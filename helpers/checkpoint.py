@@ -58,7 +58,7 @@ def _check_state_is_safe(state: dict) -> None:
     torch.save(state, buf)
     buf.seek(0)
     try:
-        torch.load(buf, weights_only=True)
+        torch.load(buf, map_location="cpu", weights_only=True)  # a check only: no copy on the saving GPU
     except pickle.UnpicklingError as e:
         raise TypeError(
             "checkpoint.save: the extra state holds an object that load (weights_only=True) would refuse; "
