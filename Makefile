@@ -7,7 +7,7 @@ CONSTRAINTS ?= constraints.txt
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: lab test test-oldest unit notebooks browser bench export audit readme clean-outputs clean
+.PHONY: lab test test-oldest unit notebooks browser bench export audit readme timings clean-outputs clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,6 +58,11 @@ audit:
 # README.md's notebook table, from each notebook's header (title, "Runs on:", time): one source for both.
 readme:
 	$(PYTHON) scripts/course_audit.py --readme
+
+# Every notebook run at full size and timed; each header's time (and so the README's) rewritten from the run.
+# Run it on a quiet machine: the executed copies stay in /tmp/full so each printed verdict can be read.
+timings: $(STAMP)
+	$(PY) scripts/time_notebooks.py --keep /tmp/full $(if $(ONLY),--only $(ONLY),)
 
 clean-outputs: $(STAMP)
 	$(VENV)/bin/jupyter nbconvert --clear-output --inplace notebooks/*.ipynb

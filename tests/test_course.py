@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import course_audit  # noqa: E402
 import export  # noqa: E402
+import time_notebooks  # noqa: E402
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 REPORTS, MISSING_LESSONS, UNDEFINED = course_audit.audit(ROOT)
@@ -151,3 +152,25 @@ def test_figures_are_plain_svg_files():
 def test_the_readme_table_is_the_notebooks_headers():
     """Titles, "Runs on" and times live in the notebooks' headers; the README's table is written from them."""
     assert course_audit.readme_table(ROOT) in (ROOT / "README.md").read_text(), "run `make readme`"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_header_time_is_a_measured_one(path):
+    """`make timings` writes '~N min (measured: S s on …)'; the rounded figure must be the one S gives."""
+    _, _, time = course_audit.header(path)
+    m = re.fullmatch(r"(~\S+ (?:s|min)) \(measured: (\d+) s on (\d+ CPU cores?, .*torch \d+\.\d+\S*)\)", time)
+    assert m, f"{path.name}: header time {time!r} was not written by `make timings`"
+    assert m.group(1) == time_notebooks.minutes(float(m.group(2))), f"{path.name}: {m.group(1)} ≠ {m.group(2)} s"
+
+
+def test_make_timings_rewrites_only_the_time_of_a_header(tmp_path):
+    nb = tmp_path / "99-x.ipynb"
+    nb.write_text(json.dumps({"cells": [{"cell_type": "markdown", "metadata": {}, "source": [
+        "# 99 · X\n", "\n", "Runs on: CPU-only ✓ · 1 GPU ✓ · ~9 min (typed by hand)"]}], "metadata": {},
+        "nbformat": 4, "nbformat_minor": 5}))
+    time_notebooks.set_time(nb, "~2.5 min (measured: 150 s on 2 CPU cores, no bf16, torch 2.14.1)")
+    first = "".join(cells(nb)[0]["source"])
+    assert first.endswith("Runs on: CPU-only ✓ · 1 GPU ✓ · ~2.5 min (measured: 150 s on 2 CPU cores, no bf16, "
+                          "torch 2.14.1)") and first.startswith("# 99 · X\n\n")
+    assert [time_notebooks.minutes(s) for s in (8, 31, 60, 95, 150, 181, 200, 330)] == \
+        ["~10 s", "~30 s", "~1 min", "~1.5 min", "~2.5 min", "~3 min", "~3 min", "~6 min"]
