@@ -5,9 +5,10 @@ README's table. A time is written only from a run that finished without an error
 
     Runs on: CPU-only ✓ · 1 GPU ✓ · best with ≥2 GPUs · ~3 min (measured: 171 s on 2 CPU cores, no bf16, torch 2.14.1)
 
-Run it on a machine with nothing else running (the load average is printed before each notebook: above 0.5 the
-times are longer than a learner's). The executed copies are kept (``--keep DIR``) so every printed verdict can be
-read against its number.
+Run it on a machine with nothing else running. The 1-minute load average printed before each notebook still counts
+the previous notebook's own ranks (1–2 on 2 cores is normal); well above the core count, other jobs shared the
+machine and the times are longer than a learner's. The executed copies are kept (``--keep DIR``) so every printed
+verdict can be read against its number.
 
     python scripts/time_notebooks.py [--only 04 05] [--keep /tmp/full] [--dry-run]
 """
