@@ -43,6 +43,15 @@ class Run:
     seconds: float = 0.0
 
 
+def compare_title(curves: dict[str, list]) -> str:
+    """The comparison plot's title: the runs drawn, and those kept but stopped before their first point.
+
+    Machinery behind the panels' plots; no notebook calls it directly.
+    """
+    empty = sum(not points for points in curves.values())  # stopped inside its first epoch, say: nothing to draw
+    return f"{len(curves) - empty} run(s) compared" + (f"; {empty} stopped before a first point" if empty else "")
+
+
 def run_labels(runs: list[Run]) -> list[str]:
     """A label per run naming only the settings that differ between the runs (``run N`` when none do).
 
@@ -223,7 +232,7 @@ class ExperimentPanel:
 
         curves = {label: list(self.compare(r.result)) for label, r in zip(run_labels(self.runs), self.runs)}
         ax = Figure(figsize=(6.5, 3.2)).add_subplot()
-        plot_curves(curves, *self.compare_axes, title=f"{len(self.runs)} run(s) compared", ax=ax)
+        plot_curves(curves, *self.compare_axes, title=compare_title(curves), ax=ax)
         self.plot.value = figure_png(ax.figure)
         self.plot.layout.display = ""
 

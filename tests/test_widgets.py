@@ -258,3 +258,11 @@ def test_a_result_that_compare_cannot_draw_is_an_error_and_the_panel_stays_usabl
     assert len(panel.runs) == 1, "the run that cannot be drawn is not kept, so later plots still draw"
     panel.button.click()  # the next click runs, and its run is kept and drawn
     assert panel.wait(20) and len(panel.runs) == 2 and panel.status.value.startswith("done")
+
+
+def test_the_comparison_title_counts_what_it_draws():
+    from helpers.widgets import compare_title
+
+    assert compare_title({"a": [(1, 2.0)], "b": [(1, 1.5)]}) == "2 run(s) compared"
+    # a run stopped inside its first epoch is kept but has no point yet: the title must not count it as drawn
+    assert compare_title({"a": [(1, 2.0)], "b (stopped)": []}) == "1 run(s) compared; 1 stopped before a first point"
