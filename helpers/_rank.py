@@ -40,6 +40,8 @@ def rank_device() -> torch.device:
 def report(**metrics) -> None:
     """Send numbers (step, total, loss, samples_per_s, ...) from a rank to the notebook.
 
+    ``step`` counts what is done, 1 … ``total`` (report after the step), which is what rank 0's progress bar shows.
+
     The parent receives them as ``on_event(rank, metrics)`` and draws; a rank
     itself never touches widgets or plots. Outside a ``launch`` (under
     torchrun, say) this does nothing, so the same function runs in both.

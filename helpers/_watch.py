@@ -45,7 +45,7 @@ class Watcher:
         if self.bar is None:
             from tqdm.auto import tqdm
             self.bar = tqdm(total=int(metrics["total"]), desc="rank 0", unit="step")
-        self.bar.n = int(metrics["step"]) + 1
+        self.bar.n = min(int(metrics["step"]), self.bar.total)  # step counts what is done: 1 … total
         shown = {k: f"{v:.4g}" for k, v in metrics.items() if k not in ("step", "total", "t") and isinstance(v, float)}
         self.bar.set_postfix(shown, refresh=False)
         self.bar.refresh()

@@ -71,7 +71,7 @@ def train_steps(model, sampler, loader, optimizer, device, steps: int, *, warmup
         optimizer.step()
         if step >= warmup:
             losses.append(loss.item())
-            report(step=step - warmup, total=steps, loss=losses[-1])  # the notebook draws the progress bar
+            report(step=len(losses), total=steps, loss=losses[-1])  # the notebook draws the progress bar
     sync(device)
     return losses, steps * loader.batch_size / (time.perf_counter() - start)
 

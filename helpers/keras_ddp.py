@@ -173,7 +173,7 @@ def keras_steps(rank, world_size, dataset, steps, batch_size, lr, *, training=Tr
                 opt.step()
                 if step >= warmup:
                     losses.append(loss.item())
-                    report(step=step - warmup, total=steps * epochs, loss=losses[-1])
+                    report(step=len(losses), total=steps * epochs, loss=losses[-1])
                 step += 1
         seconds = clock(device) - start
         if save_to is not None and rank == 0:

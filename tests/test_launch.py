@@ -431,3 +431,14 @@ def test_ctrl_c_during_the_forks_is_heard_and_kills_every_rank(monkeypatch):
     finally:
         calm()  # no SIGINT may reach pytest's own handler
         signal.signal(signal.SIGINT, previous)
+
+
+def test_the_progress_bar_counts_the_steps_done():
+    """Every course rank reports after a step, with step = steps done (1 … total): the bar ends at total/total."""
+    w = L.Watcher(1, None, True, [None])
+    for step in range(1, 11):
+        w.handle(("event", 0, {"step": step, "total": 10, "loss": 0.5}))
+        assert w.bar.n == step
+    w.handle(("event", 0, {"step": 11, "total": 10}))  # one report too many never shows 11/10 ("11/?")
+    assert (w.bar.n, w.bar.total) == (10, 10)
+    w.close()
