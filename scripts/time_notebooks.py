@@ -99,7 +99,8 @@ def main() -> int:
             failed.append(path.name)
             print(f"{path.name}: FAILED ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", flush=True)
             continue
-        text = f"{minutes(seconds)} (measured: {seconds:.0f} s on {where})"
+        seconds = round(seconds)  # the header shows whole seconds; the rounded figure must follow from them
+        text = f"{minutes(seconds)} (measured: {seconds} s on {where})"
         print(f"{path.name}: {seconds:.0f} s (load average before: {load:.2f}) → {text}", flush=True)
         if not args.dry_run:
             set_time(path, text)
