@@ -3,7 +3,7 @@
 The header's last "Runs on:" part is the one place a notebook's run time lives; `make readme` copies it into the
 README's table. A time is written only from a run that finished without an error, and says what it was measured on:
 
-    Runs on: CPU-only ✓ · 1 GPU ✓ · best with ≥2 GPUs · ~3 min (measured: 171 s on 2 CPU cores, no bf16, torch 2.14.1)
+    Runs on: CPU-only ✓ · 1 GPU ✓ · ~3 min (measured: 171 s on 2 CPU cores, no bf16, torch 2.14.1)
 
 Run it on a machine with nothing else running. The 1-minute load average printed before each notebook still counts
 the previous notebook's own ranks (1–2 on 2 cores is normal); well above the core count, other jobs shared the
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import sys
@@ -68,12 +67,10 @@ def run(path: Path, keep: Path | None) -> float:
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
-    env = {k: v for k, v in os.environ.items() if k not in ("SMOKE_TEST", "CI")}
-    os.environ.clear()
-    os.environ.update(env)  # the kernel inherits this process's environment: full size
     start = time.perf_counter()
     try:
-        NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+        where = {"metadata": {"path": str(path.parent)}}  # run in notebooks/, as JupyterLab does
+        NotebookClient(nb, timeout=900, kernel_name="python3", resources=where).execute()
     finally:
         seconds = time.perf_counter() - start
         if keep:
@@ -88,8 +85,11 @@ def main() -> int:
     ap.add_argument("--keep", type=Path, help="where to keep the executed copies")
     ap.add_argument("--dry-run", action="store_true", help="time and print; change no header")
     args = ap.parse_args()
+    for smoke in ("SMOKE_TEST", "CI"):  # the kernels inherit this environment: full size
+        os.environ.pop(smoke, None)
     where = machine()
-    paths = sorted(p for p in (ROOT / "notebooks").glob("[0-9][0-9]-*.ipynb") if not args.only or p.name[:2] in args.only)
+    paths = sorted(p for p in (ROOT / "notebooks").glob("[0-9][0-9]-*.ipynb")
+                   if not args.only or p.name[:2] in args.only)
     failed = []
     for path in paths:
         load = os.getloadavg()[0]
@@ -101,7 +101,7 @@ def main() -> int:
             continue
         seconds = round(seconds)  # the header shows whole seconds; the rounded figure must follow from them
         text = f"{minutes(seconds)} (measured: {seconds} s on {where})"
-        print(f"{path.name}: {seconds:.0f} s (load average before: {load:.2f}) → {text}", flush=True)
+        print(f"{path.name}: {seconds} s (load average before: {load:.2f}) → {text}", flush=True)
         if not args.dry_run:
             set_time(path, text)
     if not args.dry_run:
