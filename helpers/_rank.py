@@ -45,7 +45,7 @@ def report(**metrics) -> None:
     The parent receives them as ``on_event(rank, metrics)`` and draws; a rank
     itself never touches widgets or plots. Outside a ``launch`` (under
     torchrun, say) this does nothing, so the same function runs in both.
-    Introduced in notebooks/03-ddp-fork.ipynb.
+    Introduced in notebooks/04-ddp.ipynb.
     """
     if _QUEUE is None:
         return

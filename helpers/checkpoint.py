@@ -34,7 +34,7 @@ class CheckpointError(CorruptFile):
 
     A ``helpers.data.CorruptFile``, like every damaged file the helpers read.
 
-    Introduced in notebooks/04-ddp-habits.ipynb.
+    Introduced in notebooks/06-ddp-habits.ipynb.
     """
 
 
@@ -72,7 +72,7 @@ def save(path, model: nn.Module, optimizer=None, **state) -> Path:
     A temporary file in the same folder is written, flushed and fsynced, then
     renamed over ``path`` (``os.replace``), so ``path`` always holds a whole
     checkpoint. Only one process should call it (rank 0 in DDP).
-    Introduced in notebooks/04-ddp-habits.ipynb.
+    Introduced in notebooks/06-ddp-habits.ipynb.
     """
     path = Path(path)
     _check_state_is_safe(state)
@@ -143,7 +143,7 @@ def load(path, model: nn.Module, optimizer=None, map_location="cpu") -> dict:
     passes its own). Raises ``CheckpointError`` naming the path when the file
     is missing, empty, truncated, corrupt, not a checkpoint, or does not fit
     the model or optimizer.
-    Introduced in notebooks/04-ddp-habits.ipynb.
+    Introduced in notebooks/06-ddp-habits.ipynb.
     """
     path = Path(path)
     payload = _read(path, map_location)
@@ -164,7 +164,7 @@ def load(path, model: nn.Module, optimizer=None, map_location="cpu") -> dict:
 def rng_state() -> dict:
     """This process's random generators (torch CPU, its current GPU, Python, numpy) as weights-only-safe values.
 
-    Introduced in notebooks/04-ddp-habits.ipynb.
+    Introduced in notebooks/06-ddp-habits.ipynb.
     """
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {"torch": torch.get_rng_state(), "python": random.getstate(),
@@ -178,7 +178,7 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     """Put back what ``rng_state()`` returned, so the run continues with the same random numbers.
 
-    Introduced in notebooks/04-ddp-habits.ipynb.
+    Introduced in notebooks/06-ddp-habits.ipynb.
     """
     torch.set_rng_state(state["torch"].cpu())
     random.setstate(state["python"])

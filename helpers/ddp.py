@@ -1,6 +1,6 @@
 """What DDP ranks run (``ddp_steps``) and the one-process reference they must match (``reference_rank``).
 
-The functions are written in notebooks/03-ddp-fork.ipynb, where a learner reads and changes them; the region
+The functions are written in notebooks/04-ddp.ipynb, where a learner reads and changes them; the region
 below is exported from there (``make export``). Later notebooks, ``scripts/`` and the tests import them from
 here. Above the region: only the argument checks, which are machinery.
 """
@@ -25,7 +25,7 @@ from .train import full_fp32, sync
 def check_steps(dataset, world_size: int, batch_size: int, steps: int, lr: float) -> None:
     """Refuse bad counts and rates by name, and a dataset too small to give each rank one batch.
 
-    Introduced in notebooks/03-ddp-fork.ipynb.
+    Introduced in notebooks/04-ddp.ipynb.
     """
     positive_int("steps", steps)
     positive_int("batch_size", batch_size)
@@ -35,11 +35,11 @@ def check_steps(dataset, world_size: int, batch_size: int, steps: int, lr: float
                          "use a smaller batch")
 
 
-# ---- exported from notebooks/03-ddp-fork.ipynb: edit it there, then run `make export` ----
+# ---- exported from notebooks/04-ddp.ipynb: edit it there, then run `make export` ----
 def shard_sampler(dataset, rank: int, world_size: int, seed: int = 0) -> DistributedSampler:
     """Rank ``rank``'s share of a seeded shuffle.
 
-    Introduced in notebooks/03-ddp-fork.ipynb.
+    Introduced in notebooks/04-ddp.ipynb.
     """
     return DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
 
@@ -47,7 +47,7 @@ def shard_sampler(dataset, rank: int, world_size: int, seed: int = 0) -> Distrib
 def batches(sampler, loader):
     """Batches epoch after epoch, each shuffled anew.
 
-    Introduced in notebooks/03-ddp-fork.ipynb.
+    Introduced in notebooks/04-ddp.ipynb.
     """
     for epoch in itertools.count():
         sampler.set_epoch(epoch)  # a new order each epoch, the same on every rank
@@ -57,7 +57,7 @@ def batches(sampler, loader):
 def train_steps(model, sampler, loader, optimizer, device, steps: int, *, warmup: int = 0):
     """``warmup`` untimed steps, then ``steps`` timed: (losses, samples/s).
 
-    Introduced in notebooks/03-ddp-fork.ipynb.
+    Introduced in notebooks/04-ddp.ipynb.
     """
     losses = []
     for step, (x, y) in zip(range(warmup + steps), batches(sampler, loader)):
@@ -80,7 +80,7 @@ def ddp_steps(rank: int, world_size: int, dataset, steps: int, batch_size: int, 
               batch_norm: bool = False, seed: int = 0, warmup: int = 0, tf32: bool = False) -> dict:
     """A DDP ConvNet trained ``steps`` steps of ``batch_size`` per rank.
 
-    Introduced in notebooks/03-ddp-fork.ipynb.
+    Introduced in notebooks/04-ddp.ipynb.
     """
     check_steps(dataset, world_size, batch_size, steps, lr)
     device = rank_device()  # launch has joined the process group and bound this rank to its device
@@ -99,7 +99,7 @@ def reference_rank(rank: int, world_size: int, dataset, steps: int, batch_size: 
                    batch_norm: bool = False, seed: int = 0, tf32: bool = False) -> dict:
     """One process, no DDP, the same shuffle: what DDP must match.
 
-    Introduced in notebooks/03-ddp-fork.ipynb.
+    Introduced in notebooks/04-ddp.ipynb.
     """
     if world_size != 1:
         raise ValueError(f"launch it with world_size=1, not {world_size}")
@@ -113,4 +113,4 @@ def reference_rank(rank: int, world_size: int, dataset, steps: int, batch_size: 
     with contextlib.nullcontext() if tf32 else full_fp32():
         losses, rate = train_steps(model, sampler, loader, optimizer, device, steps)
     return {"params": {k: v.detach() for k, v in model.state_dict().items()}, "losses": losses, "samples_per_s": rate}
-# ---- end of export from notebooks/03-ddp-fork.ipynb ----
+# ---- end of export from notebooks/04-ddp.ipynb ----

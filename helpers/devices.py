@@ -85,7 +85,7 @@ NO_COUNT = (
     "NVML cannot count the GPUs here ({why}), and asking CUDA instead would start it in this process, after which "
     "no forked rank can use a GPU; so ranks run on the CPU. To train on the GPUs, name them by index in "
     "CUDA_VISIBLE_DEVICES (e.g. 0,1) when NVML is installed, or run the training as a script with torchrun "
-    "(notebook 10)."
+    "(notebook 13)."
 )
 
 
@@ -267,7 +267,7 @@ def has_bf16(device) -> bool:
     ``torch.cuda.is_bf16_supported()`` answers True on a T4, V100 or RTX 20xx too (it counts emulation, and it
     starts CUDA in the notebook); cuDNN has no bf16 convolutions there, so a bf16 ConvNet fails. Those GPUs
     train in fp16 with a GradScaler. An unreadable capability counts as no bf16.
-    Introduced in notebooks/05-large-batch.ipynb.
+    Introduced in notebooks/07-large-batch.ipynb.
     """
     device = torch.device(device)
     if device.type == "cpu":

@@ -1,8 +1,8 @@
-"""The machinery around notebook 11's FSDP2 ranks: shared batches, a memory probe, and the CPU fallback.
+"""The machinery around notebook 15's FSDP2 ranks: shared batches, a memory probe, and the CPU fallback.
 
 The lesson (``fully_shard``, ``MixedPrecisionPolicy``, the training step and the
 ``torch.distributed.checkpoint`` save and load) is written in
-notebooks/11-fsdp.ipynb. What stays here is what its ranks need around it: the
+notebooks/15-fsdp.ipynb. What stays here is what its ranks need around it: the
 global batches every mode trains on, the bytes of parameters held between
 forward and backward, and ``launch_fsdp``, which moves the ranks to the CPU
 where FSDP2 over gloo cannot use GPUs that ranks share.
@@ -24,7 +24,7 @@ from .memory import local_bytes
 def global_batches(n: int, steps: int, global_batch: int, seed: int = 0) -> torch.Tensor:
     """Sample indices of ``steps`` global batches from one seeded shuffle, shape (steps, global_batch).
 
-    Introduced in notebooks/11-fsdp.ipynb.
+    Introduced in notebooks/15-fsdp.ipynb.
     """
     if steps * global_batch > n:
         raise ValueError(f"{steps} steps of {global_batch} samples need more than the {n} samples")
@@ -40,7 +40,7 @@ def params_after_forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> 
     seen between forward and backward say what ``reshard_after_forward`` freed.
     The backward runs so that every rank's collectives stay in step; the
     gradients it leaves are zeroed. Call it in a rank, never in the notebook.
-    Introduced in notebooks/11-fsdp.ipynb.
+    Introduced in notebooks/15-fsdp.ipynb.
     """
     out = model(x)
     held = sum(local_bytes(p) for p in model.parameters())
@@ -57,7 +57,7 @@ def launch_fsdp(fn, world_size: int, *args, **kw):
     on the torch build. Rather than guess, try it; on failure print the error's
     first line and rerun with ``on_cpu=True`` (``fn`` must accept it). Returns
     ``(results, where)``, ``where`` a sentence saying which devices were used.
-    Introduced in notebooks/11-fsdp.ipynb.
+    Introduced in notebooks/15-fsdp.ipynb.
     """
     plan = devices.plan(world_size)
     try:

@@ -1,6 +1,6 @@
-"""A Keras 3 model (torch backend) trained under DistributedDataParallel: what the ranks of notebook 12 run.
+"""A Keras 3 model (torch backend) trained under DistributedDataParallel: what the ranks of notebook 18 run.
 
-Notebook 12 defines the model, the ranks' loop and its probes (the region at the end of this file is written from
+Notebook 18 defines the model, the ranks' loop and its probes (the region at the end of this file is written from
 its cells by `make export`); above it is the machinery they use. The model and loop follow the Keras guide "Multi-GPU distributed training with
 PyTorch": a small convnet with BatchNormalization and Dropout, wrapped in
 ``torch.nn.parallel.DistributedDataParallel``, fed by a DistributedSampler,
@@ -39,7 +39,7 @@ from .train import full_fp32, sync
 def keras_torch():
     """Import Keras with the torch backend and return it; refuse clearly when another backend is set or loaded.
 
-    Introduced in notebooks/12-keras-on-torch.ipynb.
+    Introduced in notebooks/18-keras-on-torch.ipynb.
     """
     wanted = os.environ.setdefault("KERAS_BACKEND", "torch")
     if wanted != "torch":
@@ -56,7 +56,7 @@ def keras_torch():
 def channels_last(dataset: TensorDataset) -> TensorDataset:
     """The same images as (N, 28, 28, 1) for Keras (``helpers.data`` serves torch's (N, 1, 28, 28)).
 
-    Introduced in notebooks/12-keras-on-torch.ipynb.
+    Introduced in notebooks/18-keras-on-torch.ipynb.
     """
     x, y = dataset.tensors
     return TensorDataset(x.permute(0, 2, 3, 1).contiguous(), y)
@@ -67,7 +67,7 @@ def weights(model, trainable: bool) -> dict:
 
     With ``trainable=False`` these are BatchNormalization's moving means and
     variances (the dropout's integer seed state is left out).
-    Introduced in notebooks/12-keras-on-torch.ipynb.
+    Introduced in notebooks/18-keras-on-torch.ipynb.
     """
     chosen = model.trainable_variables if trainable else model.non_trainable_variables
     return {v.path: v.value.detach().clone() for v in chosen if v.value.is_floating_point()}
@@ -76,7 +76,7 @@ def weights(model, trainable: bool) -> dict:
 def save_atomic(model, path) -> Path:
     """Save a Keras model to ``path`` (``.keras``) through a temporary file and a rename, so no reader sees half a file.
 
-    Introduced in notebooks/12-keras-on-torch.ipynb.
+    Introduced in notebooks/18-keras-on-torch.ipynb.
     """
     path = Path(path)
     if path.suffix != ".keras":
@@ -95,7 +95,7 @@ def check_sizes(dataset, world_size: int, batch_size: int, steps: int, lr: float
     """Refuse counts and rates that cannot work, by name, before a rank builds anything.
 
     ``steps`` steps of ``world_size`` x ``batch_size`` samples must fit in one epoch of ``dataset``.
-    Introduced in notebooks/12-keras-on-torch.ipynb.
+    Introduced in notebooks/18-keras-on-torch.ipynb.
     """
     positive_int("epochs", epochs)
     positive_int("steps", steps)
@@ -109,17 +109,17 @@ def check_sizes(dataset, world_size: int, batch_size: int, steps: int, lr: float
 def clock(device) -> float:
     """``time.perf_counter()`` after the device's queued work is done, so a clock read is honest.
 
-    Introduced in notebooks/12-keras-on-torch.ipynb.
+    Introduced in notebooks/18-keras-on-torch.ipynb.
     """
     sync(device)
     return time.perf_counter()
 
 
-# ---- exported from notebooks/12-keras-on-torch.ipynb: edit it there, then run `make export` ----
+# ---- exported from notebooks/18-keras-on-torch.ipynb: edit it there, then run `make export` ----
 def get_model(dropout: float = 0.5, seed: int = 0):
     """The Keras guide's convnet for (28, 28, 1) images; the same seed gives the same weights.
 
-    Introduced in notebooks/12-keras-on-torch.ipynb.
+    Introduced in notebooks/18-keras-on-torch.ipynb.
     """
     keras = keras_torch()
     layers = keras.layers
@@ -145,7 +145,7 @@ def keras_steps(rank, world_size, dataset, steps, batch_size, lr, *, training=Tr
                 warmup=0, epochs=1, use_ddp=True, save_to=None, device=None):
     """The guide's model and torch loop under DDP; returns weights, moving statistics, losses, samples/s.
 
-    Introduced in notebooks/12-keras-on-torch.ipynb.
+    Introduced in notebooks/18-keras-on-torch.ipynb.
     """
     check_sizes(dataset, world_size, batch_size, steps + warmup, lr, epochs)
     if not use_ddp and world_size != 1:
@@ -186,7 +186,7 @@ def keras_steps(rank, world_size, dataset, steps, batch_size, lr, *, training=Tr
 def broadcast_probe(rank, world_size, dataset, batch_size, *, seed=0):
     """Rank r writes r + 1 into a moving mean and a bias, wraps in DDP, steps; both values after each.
 
-    Introduced in notebooks/12-keras-on-torch.ipynb.
+    Introduced in notebooks/18-keras-on-torch.ipynb.
     """
     check_sizes(dataset, world_size, batch_size, 1, 1.0)
     keras = keras_torch()
@@ -210,7 +210,7 @@ def broadcast_probe(rank, world_size, dataset, batch_size, *, seed=0):
 def fit_rank(rank, world_size, dataset, steps, batch_size, lr, *, seed=0):
     """Keras's ``model.fit`` in a DDP rank: the weights after ``steps`` steps on this rank's shard.
 
-    Introduced in notebooks/12-keras-on-torch.ipynb.
+    Introduced in notebooks/18-keras-on-torch.ipynb.
     """
     check_sizes(dataset, world_size, batch_size, steps, lr)
     keras = keras_torch()
@@ -232,7 +232,7 @@ def guide_rank(current_gpu_index, num_gpus, dataset, port, results, steps=8, bat
                hang_rank=None):
     """The guide's ``per_device_launch_fn``; ``fail_rank`` raises, ``hang_rank`` sleeps an hour.
 
-    Introduced in notebooks/12-keras-on-torch.ipynb.
+    Introduced in notebooks/18-keras-on-torch.ipynb.
     """
     torch.set_num_threads(1)  # a rank forked after the notebook used torch's thread pool hangs with more
     os.environ["MASTER_ADDR"] = "localhost"
@@ -251,4 +251,4 @@ def guide_rank(current_gpu_index, num_gpus, dataset, port, results, steps=8, bat
     results[current_gpu_index] = out["losses"][-1]
     dist.destroy_process_group()
     sys.stdout.flush()
-# ---- end of export from notebooks/12-keras-on-torch.ipynb ----
+# ---- end of export from notebooks/18-keras-on-torch.ipynb ----

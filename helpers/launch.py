@@ -64,7 +64,7 @@ class LaunchResult(list):
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now.
 
-    Introduced in notebooks/03-ddp-fork.ipynb.
+    Introduced in notebooks/04-ddp.ipynb.
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -156,7 +156,7 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, backend: str | No
     refused unless ``max_world_size`` allows them.
     ``on_event(rank, metrics)`` receives each ``report(...)`` in the parent;
     ``progress`` draws a tqdm bar from rank 0's ``step``/``total`` reports.
-    Introduced in notebooks/03-ddp-fork.ipynb.
+    Introduced in notebooks/04-ddp.ipynb.
     """
     _check_arguments(fn, world_size, timeout, max_world_size)
     plan = devices.plan(world_size, backend=backend)

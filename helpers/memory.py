@@ -26,7 +26,7 @@ def per_rank_bytes(n_params: int, world_size: int, *, optimizer: str = "momentum
     Returns ``{stage: {"params", "grads", "optimizer", "total"}}``; a sharded part
     is divided by ``world_size`` (rounded up, as a rank holds whole elements).
     Activations are left out: they depend on the batch, not on the sharding.
-    Introduced in notebooks/11-fsdp.ipynb.
+    Introduced in notebooks/15-fsdp.ipynb.
     """
     positive_int("n_params", n_params)
     w = positive_int("world_size", world_size)
@@ -52,7 +52,7 @@ def comm_bytes_per_step(n_params: int, world_size: int, *, param_bytes: int = 4,
     reduce-scatter sends (W−1)/W·N. FSDP all-gathers the parameters for the
     forward, again for the backward when it resharded after the forward, and
     reduce-scatters the gradients. Returns ``{"DDP": ..., "FSDP": ..., "FSDP/DDP": ...}``.
-    Introduced in notebooks/11-fsdp.ipynb.
+    Introduced in notebooks/15-fsdp.ipynb.
     """
     positive_int("n_params", n_params)
     w = positive_int("world_size", world_size)
@@ -68,7 +68,7 @@ def transformer_params(d_model: int, layers: int, vocab: int = 32_000) -> int:
 
     Biases and norms are left out (under 0.1 % at these sizes); the output layer
     shares the embedding's weights, as in GPT-2.
-    Introduced in notebooks/11-fsdp.ipynb.
+    Introduced in notebooks/15-fsdp.ipynb.
     """
     positive_int("d_model", d_model)
     positive_int("layers", layers)
@@ -79,7 +79,7 @@ def transformer_params(d_model: int, layers: int, vocab: int = 32_000) -> int:
 def local_bytes(t: torch.Tensor) -> int:
     """Bytes this rank stores for ``t``: its local shard when ``t`` is a DTensor (FSDP2), else all of it.
 
-    Introduced in notebooks/11-fsdp.ipynb.
+    Introduced in notebooks/15-fsdp.ipynb.
     """
     local = t.to_local() if hasattr(t, "to_local") else t
     return local.numel() * local.element_size()
@@ -91,7 +91,7 @@ def state_bytes(model: nn.Module, optimizer=None) -> dict:
     Gradients not yet created (or set to None) count 0; the optimizer's tensors
     are those in ``optimizer.state`` (momentum buffers, Adam's moments; scalar
     step counters included).
-    Introduced in notebooks/11-fsdp.ipynb.
+    Introduced in notebooks/15-fsdp.ipynb.
     """
     params = list(model.parameters())
     opt = 0

@@ -1,4 +1,4 @@
-"""What pipeline ranks run: the code of notebooks 06 and 07, exported from their cells (edit it there).
+"""What pipeline ranks run: the code of notebooks 09 and 10, exported from their cells (edit it there).
 
 06 writes the micro-batch schedule out by hand (``pipeline_step``) and the
 launched children that check and time it; 07 runs one stage per rank with
@@ -29,16 +29,16 @@ from .stages import TwoStage
 from .train import full_fp32, sync
 
 
-# ---- exported from notebooks/06-model-parallel.ipynb: edit it there, then run `make export` ----
+# ---- exported from notebooks/09-model-parallel.ipynb: edit it there, then run `make export` ----
 def split_pair(split, seed, devices):
-    """Unsplit ConvNet, and a TwoStage copy. Introduced in notebooks/06-model-parallel.ipynb."""
+    """Unsplit ConvNet, and a TwoStage copy. Introduced in notebooks/09-model-parallel.ipynb."""
     torch.manual_seed(seed)
     ref = ConvNet(batch_norm=False).to(rank_device())
     return ref, TwoStage(copy.deepcopy(ref), split, devices)
 
 
 def check_split(rank, world_size, x, y, *, split=4, seed=0):
-    """Split vs unsplit, and stage bytes. Introduced in notebooks/06-model-parallel.ipynb."""
+    """Split vs unsplit, and stage bytes. Introduced in notebooks/09-model-parallel.ipynb."""
     plan = stages.plan_stages(2)
     with full_fp32():
         ref, model = split_pair(split, seed, plan.devices)
@@ -54,7 +54,7 @@ def check_split(rank, world_size, x, y, *, split=4, seed=0):
 
 
 def pipeline_step(model, x, y, n_micro, kind="gpipe", loss_fn=F.cross_entropy, clock=None):
-    """Forward and backward in micro-batches. Introduced in notebooks/06-model-parallel.ipynb."""
+    """Forward and backward in micro-batches. Introduced in notebooks/09-model-parallel.ipynb."""
     # clock (a list) gets a measured Slot per pass, devices synchronised: it shows the order, not the speed
     positive_int("n_micro", n_micro)
     if n_micro > len(x):
@@ -85,7 +85,7 @@ def pipeline_step(model, x, y, n_micro, kind="gpipe", loss_fn=F.cross_entropy, c
 
 
 def check_schedules(rank, world_size, x, y, *, split=4, micro_counts=(1, 2, 4), seed=0):
-    """{(kind, M): gradient vs unsplit}. Introduced in notebooks/06-model-parallel.ipynb."""
+    """{(kind, M): gradient vs unsplit}. Introduced in notebooks/09-model-parallel.ipynb."""
     with full_fp32():
         ref, model = split_pair(split, seed, stages.plan_stages(2).devices)
         F.cross_entropy(ref(x.to(rank_device())), y.to(rank_device())).backward()
@@ -101,7 +101,7 @@ def check_schedules(rank, world_size, x, y, *, split=4, micro_counts=(1, 2, 4), 
 
 def sweep_micro_batches(rank, world_size, x, y, *, split=4, micro_counts=(1, 2, 4, 8), kind="gpipe", rounds=5,
                         seed=0, timeline_micro=4):
-    """Step times per M, stage times. Introduced in notebooks/06-model-parallel.ipynb."""
+    """Step times per M, stage times. Introduced in notebooks/09-model-parallel.ipynb."""
     # the stage times come from the same devices as the steps, so "perfect pipeline" and measurement compare
     model = split_pair(split, seed, stages.plan_stages(2).devices)[1]
     d0, d1 = model.devices
@@ -122,13 +122,13 @@ def sweep_micro_batches(rank, world_size, x, y, *, split=4, micro_counts=(1, 2, 
     clock = []
     pipeline_step(model, x, y, timeline_micro, kind, clock=clock)
     return {"times": {m: t["all"] for m, t in times.items()}, "stage_seconds": stage_seconds, "timeline": clock}
-# ---- end of export from notebooks/06-model-parallel.ipynb ----
+# ---- end of export from notebooks/09-model-parallel.ipynb ----
 
 
-# ---- exported from notebooks/07-pipelines.ipynb: edit it there, then run `make export` ----
+# ---- exported from notebooks/10-pipelines.ipynb: edit it there, then run `make export` ----
 def pp_rank(rank, world_size, x, y, *, micro_counts=(4,), schedule="gpipe", split=4, rounds=0, seed=0,
             scale_grads=True):
-    """One stage per rank, torch.distributed.pipelining. Introduced in notebooks/07-pipelines.ipynb."""
+    """One stage per rank, torch.distributed.pipelining. Introduced in notebooks/10-pipelines.ipynb."""
     # returns this stage's gradients (ConvNet's names), the last stage's losses, step times per M, its stage time
     device = stages.plan_pipeline(world_size).devices[rank]  # a GPU per stage (NCCL), else the CPU for every rank
     with full_fp32():
@@ -168,7 +168,7 @@ def pp_rank(rank, world_size, x, y, *, micro_counts=(4,), schedule="gpipe", spli
 
 
 def hybrid_steps(rank, world_size, dataset, steps, batch_size, lr, *, split=4, seed=0):
-    """DDP over two-stage models. Introduced in notebooks/07-pipelines.ipynb."""
+    """DDP over two-stage models. Introduced in notebooks/10-pipelines.ipynb."""
     # launch with init=False: the rank sets up its own group. Returns parameters (ConvNet's names), losses, samples.
     plan = stages.plan_hybrid(world_size, 2)
     devices = plan.devices[rank]  # this rank's two stage devices
@@ -198,4 +198,4 @@ def hybrid_steps(rank, world_size, dataset, steps, batch_size, lr, *, split=4, s
     finally:
         dist.destroy_process_group()
     return result
-# ---- end of export from notebooks/07-pipelines.ipynb ----
+# ---- end of export from notebooks/10-pipelines.ipynb ----

@@ -103,7 +103,7 @@ def plot_curves(curves: dict[str, list[tuple[float, float]]], xlabel: str, ylabe
 def figure_png(fig, dpi: int = 80) -> bytes:
     """A figure as PNG bytes, for an ``ipywidgets.Image`` (which, unlike display handles, updates in place).
 
-    Introduced in notebooks/11-fsdp.ipynb.
+    Introduced in notebooks/15-fsdp.ipynb.
     """
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=dpi, bbox_inches="tight")  # a legend below the axes stays in
@@ -118,7 +118,7 @@ class LivePlot:
     (call ``finish()``). It draws into an ``ipywidgets.Image``, because a widget
     updates inside a panel's output area where IPython's display handles do not
     (ipywidgets issue 1844).
-    Introduced in notebooks/03-ddp-fork.ipynb.
+    Introduced in notebooks/04-ddp.ipynb.
     """
 
     def __init__(self, key: str = "loss", title: str = "", every: float = 0.5, ranks=None):

@@ -120,7 +120,7 @@ def _start_cuda(device) -> str | None:
 def alive(pids) -> list[int]:
     """The pids among ``pids`` that still run (a zombie, dead but not yet reaped, counts as gone).
 
-    Introduced in notebooks/08-data-loading.ipynb.
+    Introduced in notebooks/11-data-loading.ipynb.
     """
     out = []
     for pid in pids:
@@ -162,7 +162,7 @@ def child_stderr():
     A spawned or crashed child prints its traceback there and nowhere else.
     Yields an object whose ``text()`` returns it once the block is over; the
     kernel's stderr is restored then.
-    Introduced in notebooks/03-ddp-fork.ipynb.
+    Introduced in notebooks/04-ddp.ipynb.
     """
     captured = _Captured()
     with tempfile.TemporaryFile() as file:

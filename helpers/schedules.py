@@ -21,7 +21,7 @@ KINDS = ("gpipe", "1f1b")
 class Slot(NamedTuple):
     """One pass of one micro-batch on one stage, with its start and end time.
 
-    Introduced in notebooks/06-model-parallel.ipynb.
+    Introduced in notebooks/09-model-parallel.ipynb.
     """
 
     stage: int
@@ -34,7 +34,7 @@ class Slot(NamedTuple):
 def bubble_fraction(n_stages: int, n_micro: int) -> float:
     """(S−1)/(M+S−1): the share of a balanced GPipe step each device spends idle.
 
-    Introduced in notebooks/06-model-parallel.ipynb.
+    Introduced in notebooks/09-model-parallel.ipynb.
     """
     positive_int("n_stages", n_stages)
     positive_int("n_micro", n_micro)
@@ -46,7 +46,7 @@ def programs(kind: str, n_stages: int, n_micro: int) -> list[list[tuple[str, int
 
     1F1B: stage s runs S−1−s forwards to fill the pipe, then alternates one
     forward and one backward, then drains the remaining backwards.
-    Introduced in notebooks/06-model-parallel.ipynb.
+    Introduced in notebooks/09-model-parallel.ipynb.
     """
     positive_int("n_stages", n_stages)
     positive_int("n_micro", n_micro)
@@ -76,7 +76,7 @@ def _per_stage(value, n_stages: int) -> list[float]:
 def simulate(progs, fwd=1.0, bwd=2.0) -> list[Slot]:
     """Play the stages' programs; ``fwd``/``bwd`` are one micro-batch's durations (one number, or one per stage).
 
-    Introduced in notebooks/06-model-parallel.ipynb.
+    Introduced in notebooks/09-model-parallel.ipynb.
     """
     S = len(progs)
     fwd, bwd = _per_stage(fwd, S), _per_stage(bwd, S)
@@ -109,7 +109,7 @@ def simulate(progs, fwd=1.0, bwd=2.0) -> list[Slot]:
 def makespan(slots: list[Slot]) -> float:
     """The time the last pass ends: one training step.
 
-    Introduced in notebooks/06-model-parallel.ipynb.
+    Introduced in notebooks/09-model-parallel.ipynb.
     """
     return max(t.end for t in slots)
 
@@ -117,7 +117,7 @@ def makespan(slots: list[Slot]) -> float:
 def idle_fraction(slots: list[Slot]) -> float:
     """Share of (stages × step time) in which a stage waits: the measured bubble of a timeline.
 
-    Introduced in notebooks/06-model-parallel.ipynb.
+    Introduced in notebooks/09-model-parallel.ipynb.
     """
     n_stages = 1 + max(t.stage for t in slots)
     busy = sum(t.end - t.start for t in slots)
@@ -127,7 +127,7 @@ def idle_fraction(slots: list[Slot]) -> float:
 def in_flight(slots: list[Slot]) -> list[int]:
     """Per stage, the most micro-batches whose activations it holds at once (forward done, backward not).
 
-    Introduced in notebooks/06-model-parallel.ipynb.
+    Introduced in notebooks/09-model-parallel.ipynb.
     """
     n_stages = 1 + max(t.stage for t in slots)
     peaks = []
@@ -143,7 +143,7 @@ def in_flight(slots: list[Slot]) -> list[int]:
 def table(slots: list[Slot], tick: float = 1.0) -> str:
     """The schedule written out: one row per stage, one column per ``tick``, 'F3' / 'B3' / '.' (idle).
 
-    Introduced in notebooks/06-model-parallel.ipynb.
+    Introduced in notebooks/09-model-parallel.ipynb.
     """
     n_stages = 1 + max(t.stage for t in slots)
     cols = round(makespan(slots) / tick)
@@ -161,7 +161,7 @@ def predict_step(stage_seconds, n_micro: int, kind: str = "gpipe", backward_shar
     Each stage's time is split into M equal micro-batch passes (a
     ``backward_share`` of it backward) and the schedule simulated; with equal
     stages this is T·(M+S−1)/(M·S), the bubble formula.
-    Introduced in notebooks/06-model-parallel.ipynb.
+    Introduced in notebooks/09-model-parallel.ipynb.
     """
     per = [t / n_micro for t in stage_seconds]
     slots = simulate(programs(kind, len(per), n_micro), [p * (1 - backward_share) for p in per],
@@ -172,7 +172,7 @@ def predict_step(stage_seconds, n_micro: int, kind: str = "gpipe", backward_shar
 def draw_timeline(slots: list[Slot], title: str = "", ax=None, unit: str = "time"):
     """A Gantt chart: one row per stage, forward passes blue, backward orange, micro-batch numbers inside.
 
-    Introduced in notebooks/06-model-parallel.ipynb.
+    Introduced in notebooks/09-model-parallel.ipynb.
     """
     import matplotlib.pyplot as plt
 
@@ -196,7 +196,7 @@ def sweep_rows(times: dict, stage_seconds, cost_s: float | None = None) -> list[
     """One row per micro-batch count M from its timed steps (seconds): ms median, min, max, quartiles, the bubble,
     and the step a perfect pipeline would take from ``stage_seconds`` (plus ``cost_s`` per micro-batch, if given).
 
-    Introduced in notebooks/06-model-parallel.ipynb.
+    Introduced in notebooks/09-model-parallel.ipynb.
     """
     rows = []
     for m in sorted(times):
@@ -213,7 +213,7 @@ def sweep_rows(times: dict, stage_seconds, cost_s: float | None = None) -> list[
 def print_rows(rows: list[dict]) -> None:
     """The rows of ``sweep_rows`` as a table.
 
-    Introduced in notebooks/06-model-parallel.ipynb.
+    Introduced in notebooks/09-model-parallel.ipynb.
     """
     cost = "with_cost" in rows[0]
     print(f"{'M':>3} {'step ms':>8} {'min–max':>15} {'bubble':>7} {'perfect':>8}" + (f" {'+ cost':>8}" if cost else ""))
@@ -225,7 +225,7 @@ def print_rows(rows: list[dict]) -> None:
 def plot_sweep(rows: list[dict], title: str):
     """Measured step time per M (median, quartiles) beside the perfect pipeline and the bubble fraction.
 
-    Introduced in notebooks/06-model-parallel.ipynb.
+    Introduced in notebooks/09-model-parallel.ipynb.
     """
     import matplotlib.pyplot as plt
 

@@ -1,7 +1,7 @@
 """Model parallelism's machinery: the ConvNet's places to cut, where stages go on this machine, what they hold.
 
 ``TwoStage`` (the two ``nn.Sequential`` halves and the activation hand-off) is
-written in notebooks/06-model-parallel.ipynb and exported into the region at
+written in notebooks/09-model-parallel.ipynb and exported into the region at
 the end of this file. Here: the flat list of layers a cut chooses from, the
 planners that say which device each stage (or each pipeline rank) gets with
 the GPUs that exist (counts can be mocked), and the measurements of a stage:
@@ -27,7 +27,7 @@ from .train import sync
 def convnet_layers(net: ConvNet) -> list[tuple[str, nn.Module]]:
     """The ConvNet as one flat list of (name, layer), a Flatten before fc: the places a split can go.
 
-    Introduced in notebooks/06-model-parallel.ipynb.
+    Introduced in notebooks/09-model-parallel.ipynb.
     """
     flat = [(f"{block}.{i}", layer) for block in ("layer1", "layer2")
             for i, layer in enumerate(getattr(net, block))]
@@ -37,7 +37,7 @@ def convnet_layers(net: ConvNet) -> list[tuple[str, nn.Module]]:
 def split_names(net: ConvNet | None = None) -> dict[int, str]:
     """Every valid split index k (stage 0 = layers[:k]) with a readable name: 'after layer1.3 | before layer2.0'.
 
-    Introduced in notebooks/06-model-parallel.ipynb.
+    Introduced in notebooks/09-model-parallel.ipynb.
     """
     names = [n for n, _ in convnet_layers(net or ConvNet(batch_norm=False))]
     return {k: f"after {names[k - 1]} | before {names[k]}" for k in range(1, len(names))}
@@ -56,7 +56,7 @@ def plan_stages(n_stages: int = 2, n_gpus: int | None = None) -> StagePlan:
     """Stage s → cuda:s when there is a GPU per stage; else all stages on cuda:0, or on the CPU.
 
     ``n_gpus`` overrides the count (for tests and "what if").
-    Introduced in notebooks/06-model-parallel.ipynb.
+    Introduced in notebooks/09-model-parallel.ipynb.
     """
     positive_int("n_stages", n_stages)
     n = gpu_count() if n_gpus is None else positive_int("n_gpus", n_gpus, minimum=0)
@@ -81,7 +81,7 @@ def plan_pipeline(n_stages: int = 2, n_gpus: int | None = None) -> StagePlan:
     nothing two CPU processes do not; the stage times that predict a perfect
     pipeline must then be measured on the CPU too (a rank measures its own).
     ``n_gpus`` overrides the count (for tests and "what if").
-    Introduced in notebooks/07-pipelines.ipynb.
+    Introduced in notebooks/10-pipelines.ipynb.
     """
     positive_int("n_stages", n_stages)
     n = gpu_count() if n_gpus is None else positive_int("n_gpus", n_gpus, minimum=0)
@@ -114,7 +114,7 @@ def plan_hybrid(world_size: int = 2, n_stages: int = 2, n_gpus: int | None = Non
 
     NCCL when no GPU is used by two ranks; gloo otherwise (NCCL refuses two
     ranks on one GPU) and on the CPU.
-    Introduced in notebooks/07-pipelines.ipynb.
+    Introduced in notebooks/10-pipelines.ipynb.
     """
     positive_int("world_size", world_size)
     positive_int("n_stages", n_stages)
@@ -164,7 +164,7 @@ def saved_bytes(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
 def stage_memory(model, x: torch.Tensor) -> list[dict]:
     """Per stage of a ``TwoStage``: its layers, parameters (count, bytes), activation bytes saved, output bytes.
 
-    Introduced in notebooks/06-model-parallel.ipynb.
+    Introduced in notebooks/09-model-parallel.ipynb.
     """
     rows, h = [], x
     for s, (stage, device) in enumerate(zip((model.stage0, model.stage1), model.devices)):
@@ -180,7 +180,7 @@ def stage_memory(model, x: torch.Tensor) -> list[dict]:
 def measured_memory(model, x: torch.Tensor) -> dict | None:
     """Bytes each GPU of a ``TwoStage`` gains in a forward pass (activations kept for backward); None on the CPU.
 
-    Introduced in notebooks/06-model-parallel.ipynb.
+    Introduced in notebooks/09-model-parallel.ipynb.
     """
     gpus = sorted({d for d in model.devices if d.type == "cuda"}, key=str)
     if not gpus:
@@ -197,7 +197,7 @@ def measured_memory(model, x: torch.Tensor) -> dict | None:
 def wrong_labels_error(model, x: torch.Tensor, y: torch.Tensor) -> str | None:
     """The first line of the error that labels left on stage 0's device give; None when both stages share one.
 
-    Introduced in notebooks/06-model-parallel.ipynb.
+    Introduced in notebooks/09-model-parallel.ipynb.
     """
     if model.devices[0] == model.devices[1]:
         return None
@@ -215,7 +215,7 @@ def stage_seconds(stage: nn.Module, inputs: torch.Tensor, target: torch.Tensor |
     With ``target`` (the last stage) the loss is the cross-entropy and the
     gradient of the input is computed too (it is what a later stage sends
     back); without, a stand-in gradient (``.sum()``) of the same work.
-    Introduced in notebooks/06-model-parallel.ipynb.
+    Introduced in notebooks/09-model-parallel.ipynb.
     """
     device = torch.device(device)
     inputs = inputs.detach().to(device).requires_grad_(target is not None)
@@ -233,7 +233,7 @@ def own_stage_seconds(rank: int, world_size: int, stage: nn.Module, inputs, targ
     """In a pipeline rank: time this rank's own stage on its own device, one rank at a time (barriers between).
 
     Taking turns keeps one rank's timing from sharing cores with another's.
-    Introduced in notebooks/07-pipelines.ipynb.
+    Introduced in notebooks/10-pipelines.ipynb.
     """
     seconds = None
     for r in range(world_size):
@@ -243,9 +243,9 @@ def own_stage_seconds(rank: int, world_size: int, stage: nn.Module, inputs, targ
     return seconds
 
 
-# ---- exported from notebooks/06-model-parallel.ipynb: edit it there, then run `make export` ----
+# ---- exported from notebooks/09-model-parallel.ipynb: edit it there, then run `make export` ----
 class TwoStage(nn.Module):
-    """The ConvNet cut in two stages on two devices. Introduced in notebooks/06-model-parallel.ipynb."""
+    """The ConvNet cut in two stages on two devices. Introduced in notebooks/09-model-parallel.ipynb."""
 
     # split = k: the first k layers of convnet_layers(net) in stage 0, the rest in stage 1 (net's own modules, moved)
 
@@ -276,4 +276,4 @@ class TwoStage(nn.Module):
     def convnet_state(self, grads=False):  # parameters (or their gradients) on the CPU, by ConvNet's names
         return {self.convnet_name(s, k): (p.grad if grads else p).detach().cpu()
                 for s, stage in enumerate((self.stage0, self.stage1)) for k, p in stage.named_parameters()}
-# ---- end of export from notebooks/06-model-parallel.ipynb ----
+# ---- end of export from notebooks/09-model-parallel.ipynb ----

@@ -3,7 +3,7 @@
 ``torch.nn.SyncBatchNorm`` runs on GPU ranks only: on CPU ranks ``DDP(...)`` refuses it ("SyncBatchNorm layers
 only work with GPU modules"). ``CPUSyncBatchNorm`` does the same arithmetic on any device: it all-reduces the
 per-channel sums and counts, then the squared deviations, with an autograd-aware collective, so the backward pass
-also flows through the other ranks' statistics, as torch's does. Notebook 04 converts with torch's
+also flows through the other ranks' statistics, as torch's does. Notebook 06 converts with torch's
 ``nn.SyncBatchNorm.convert_sync_batchnorm`` on GPU ranks and with ``CPUSyncBatchNorm.convert_sync_batchnorm``
 (the same call) on CPU ranks.
 """
@@ -20,7 +20,7 @@ class CPUSyncBatchNorm(nn.BatchNorm2d):
     """BatchNorm2d whose training statistics are all-reduced over the process group: the CPU stand-in.
 
     It exists because torch's SyncBatchNorm refuses CPU tensors; on GPU ranks use ``nn.SyncBatchNorm``.
-    Introduced in notebooks/04-ddp-habits.ipynb.
+    Introduced in notebooks/06-ddp-habits.ipynb.
     """
 
     def forward(self, x):

@@ -36,7 +36,7 @@ def torchrun_command(script_args, *, nproc: int = 1, nnodes: int = 1, node_rank:
     Otherwise ``endpoint`` is host:port of the rendezvous: with ``rdzv="c10d"``
     node ranks follow the order the nodes join in; with ``rdzv="static"`` the
     ``--node_rank`` given is kept (``--master-addr/--master-port``).
-    Introduced in notebooks/10-torchrun-and-clusters.ipynb.
+    Introduced in notebooks/13-torchrun-and-clusters.ipynb.
     """
     cmd = [python, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if nnodes == 1 and endpoint is None:
@@ -71,7 +71,7 @@ class Finished:
 class RunFailed(RuntimeError):
     """A process of ``run`` exited with a non-zero code or ran past the timeout; the message quotes its last lines.
 
-    Introduced in notebooks/10-torchrun-and-clusters.ipynb.
+    Introduced in notebooks/13-torchrun-and-clusters.ipynb.
     """
 
 
@@ -88,7 +88,7 @@ def run(commands: dict, *, timeout: float = 300.0, env: dict | None = None, on_l
     kernel itself die, Linux sends each process SIGTERM and torchrun stops
     its workers.
     With ``check``, a non-zero exit code raises ``RunFailed``.
-    Introduced in notebooks/10-torchrun-and-clusters.ipynb.
+    Introduced in notebooks/13-torchrun-and-clusters.ipynb.
     """
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     procs, results, partial, start = {}, {}, {}, time.monotonic()
@@ -185,7 +185,7 @@ def kill_tree(pid: int) -> None:
 def workers(pid: int, script=SCRIPT) -> list:
     """The processes under torchrun ``pid`` that run ``script``: the workers, not the agent.
 
-    Introduced in notebooks/10-torchrun-and-clusters.ipynb.
+    Introduced in notebooks/13-torchrun-and-clusters.ipynb.
     """
     found = []
     try:
@@ -207,7 +207,7 @@ def kill_worker_after(marker: str, node: str | None = None, index: int = 0):
     ``node`` names the torchrun whose worker dies (default: the first);
     ``index`` picks the worker. The returned callable's ``killed`` lists
     the pids it killed.
-    Introduced in notebooks/10-torchrun-and-clusters.ipynb.
+    Introduced in notebooks/13-torchrun-and-clusters.ipynb.
     """
     def on_line(name, line, procs):
         if on_line.killed or marker not in line:
@@ -233,7 +233,7 @@ def sbatch_dry_run(nodes: int, gpus_per_node: int, *, path=SBATCH, job_id: int =
     fake ``scontrol`` lists the hosts and a fake ``srun`` prints the command
     each node's task would run (with ``SLURM_NODEID`` set per node), so
     what a real cluster would start can be read without one.
-    Introduced in notebooks/10-torchrun-and-clusters.ipynb.
+    Introduced in notebooks/13-torchrun-and-clusters.ipynb.
     """
     import shlex
     import tempfile

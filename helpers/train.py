@@ -39,7 +39,7 @@ class Stats:
 def sync(device) -> None:
     """Wait for queued GPU work, so a clock read afterwards is honest.
 
-    Introduced in notebooks/03-ddp-fork.ipynb.
+    Introduced in notebooks/04-ddp.ipynb.
     """
     device = torch.device(device)
     if device.type == "cuda":
@@ -83,7 +83,7 @@ def autocast(device, amp: str | None):
 def make_scaler(device, amp: str | None):
     """A GradScaler when fp16 on a GPU needs one (bf16 and fp32 do not), else None.
 
-    Introduced in notebooks/05-large-batch.ipynb.
+    Introduced in notebooks/07-large-batch.ipynb.
     """
     if amp == "fp16" and torch.device(device).type == "cuda":
         return torch.amp.GradScaler("cuda")

@@ -1,16 +1,16 @@
 #!/usr/bin/env python
-"""Train the course's ConvNet with DDP under torchrun: the training of notebooks 03/04 as a script.
+"""Train the course's ConvNet with DDP under torchrun: the training of notebooks 04/06 as a script.
 
     torchrun --standalone --nproc_per_node=2 scripts/train_ddp.py --epochs 1 --checkpoint run.pt --save-every 50
 
 Every rank reads RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from
 torchrun's environment; NCCL when every rank of this node has its own GPU,
 gloo otherwise. The model, the data search, the sampler and the step loop are
-``helpers``' (``ddp.ddp_steps`` in notebook 03 computes the same steps). With
+``helpers``' (``ddp.ddp_steps`` in notebook 04 computes the same steps). With
 ``--checkpoint`` rank 0 saves atomically every ``--save-every`` steps and at
 the end, and a start finds the file and resumes from the step saved there, so
 that a run restarted at any point ends with exactly the parameters of an
-uninterrupted one (CPU, same world size). Introduced in notebooks/10-torchrun-and-clusters.ipynb.
+uninterrupted one (CPU, same world size). Introduced in notebooks/13-torchrun-and-clusters.ipynb.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="folder with the Fashion-MNIST IDX files (default: helpers.data's search)")
     p.add_argument("--limit", type=int, default=None, help="train on the first N images only")
     p.add_argument("--smoke", action="store_true", help="a small prefix of the data (what CI runs)")
-    p.add_argument("--batch-norm", action="store_true", help="ConvNet with BatchNorm (03's runs use none)")
+    p.add_argument("--batch-norm", action="store_true", help="ConvNet with BatchNorm (04's runs use none)")
     p.add_argument("--checkpoint", type=Path, default=None, help="save here; resume from here when it exists")
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (0: only at the end)")
     p.add_argument("--log-every", type=int, default=10, help="rank 0 prints a progress line every N steps")

@@ -276,7 +276,7 @@ def _ranks(lab: Lab, before: set[int]) -> list[psutil.Process]:
 
 
 def _alive_and(p: psutil.Process, check) -> bool:
-    """check(p), or False for a process that ended in the meantime (06's DataLoader workers come and go)."""
+    """check(p), or False for a process that ended in the meantime (09's DataLoader workers come and go)."""
     try:
         return check(p)
     except psutil.Error:
@@ -303,12 +303,12 @@ class PanelCheck:
 
 PANELS = {
     "01-single-gpu.ipynb": PanelCheck(("epochs",), ranks=False),
-    "03-ddp-fork.ipynb": PanelCheck(("steps", "batch"), ranks=True),
-    "05-large-batch.ipynb": PanelCheck(("steps",), ranks=True, menus=("precision",)),
-    "07-pipelines.ipynb": PanelCheck(("micro-batches",), ranks=True, menus=("split",)),
-    # 08's run is one launched child measuring a loader, which prints its numbers when it ends; the longest run
+    "04-ddp.ipynb": PanelCheck(("steps", "batch"), ranks=True),
+    "07-large-batch.ipynb": PanelCheck(("steps",), ranks=True, menus=("precision",)),
+    "10-pipelines.ipynb": PanelCheck(("micro-batches",), ranks=True, menus=("split",)),
+    # 11's run is one launched child measuring a loader, which prints its numbers when it ends; the longest run
     # (most workers, most epochs) lasts seconds, long enough to Stop it: the child and its workers must go
-    "08-data-loading.ipynb": PanelCheck(("num_workers", "epochs"), ranks=True, moves=False),
+    "11-data-loading.ipynb": PanelCheck(("num_workers", "epochs"), ranks=True, moves=False),
 }
 
 

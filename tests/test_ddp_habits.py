@@ -1,4 +1,4 @@
-"""The machinery notebook 04 keeps in helpers: the CPU SyncBatchNorm stand-in (torch's refuses CPU tensors).
+"""The machinery notebook 06 keeps in helpers: the CPU SyncBatchNorm stand-in (torch's refuses CPU tensors).
 
 The rank functions 04 teaches (set_epoch, the rank-0 save and resume, no_sync accumulation, convert_sync_batchnorm)
 are defined in its cells and checked by its asserts, which CI runs. Training runs in launched ranks only: a

@@ -1,6 +1,6 @@
-"""helpers.fsdp: the machinery around notebook 11's FSDP2 ranks (batches, the after-forward probe, the CPU fallback).
+"""helpers.fsdp: the machinery around notebook 15's FSDP2 ranks (batches, the after-forward probe, the CPU fallback).
 
-The FSDP lesson itself (fully_shard, the step, DCP) is written in notebooks/11-fsdp.ipynb, whose asserts check it.
+The FSDP lesson itself (fully_shard, the step, DCP) is written in notebooks/15-fsdp.ipynb, whose asserts check it.
 Training runs in launched ranks only (a backward pass in this process would break later GPU forks).
 """
 

@@ -32,7 +32,7 @@ def no_children_left():
 
 @pytest.fixture(scope="module")
 def images():
-    """512 random 28x28x1 images in 10 classes, channels last, as the Keras model takes them."""
+    """512 random 28x28x1 images in 13 classes, channels last, as the Keras model takes them."""
     gen = torch.Generator().manual_seed(0)
     return TensorDataset(torch.randn(512, 28, 28, 1, generator=gen), torch.randint(0, 10, (512,), generator=gen))
 

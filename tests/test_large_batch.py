@@ -1,7 +1,7 @@
-"""What notebook 05 exports: which precisions a device offers, and how the mixed-precision check is sized.
+"""What notebook 07 exports: which precisions a device offers, and how the mixed-precision check is sized.
 
 The autocast/GradScaler step, the LR warm-up and the race are defined and asserted in
-notebooks/05-large-batch.ipynb itself (CI runs it); what stays here are its two exported rules, checked without a
+notebooks/07-large-batch.ipynb itself (CI runs it); what stays here are its two exported rules, checked without a
 GPU: capabilities are mocked, CPU flags read from a file that $MULTIGPU_CPUINFO points to.
 """
 

@@ -1,4 +1,4 @@
-"""Pipelines that run, at test size: the code of notebooks 06 and 07 (exported into helpers.pipeline). Every
+"""Pipelines that run, at test size: the code of notebooks 09 and 10 (exported into helpers.pipeline). Every
 backward pass happens in a launched rank: a backward here would poison later GPU forks."""
 
 import functools

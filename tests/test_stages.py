@@ -1,4 +1,4 @@
-"""The two-stage ConvNet (exported from notebook 06), the stage planners (GPU counts mocked), schedules on paper."""
+"""The two-stage ConvNet (exported from notebook 09), the stage planners (GPU counts mocked), schedules on paper."""
 
 import matplotlib
 
@@ -97,7 +97,7 @@ def test_pipeline_ranks_and_their_stage_times_share_one_device(n_gpus, expect, k
     assert stages.plan_pipeline(2).devices == plan.devices  # what pp_rank reads in each rank
     if n_gpus == 1:
         assert "CPU" in plan.sentence and "measured on CPU" in plan.sentence
-        # the one-process plan of notebook 06 would put both stages on the GPU: a different device
+        # the one-process plan of notebook 09 would put both stages on the GPU: a different device
         assert stages.plan_stages(2).devices != plan.devices
 
 
