@@ -38,7 +38,12 @@ LESSONS = {
     "DataLoader workers": (r"data-loading", ["DataLoader", "num_workers", "pin_memory", "persistent_workers"]),
     "CUDA_VISIBLE_DEVICES masks": (r"visible-devices", ["CUDA_VISIBLE_DEVICES"]),
     "the torchrun script's loop": (r"torchrun", ["init_process_group", "set_epoch", "LOCAL_RANK"]),
-    "fully_shard and DCP": (r"fsdp", ["fully_shard", "MixedPrecisionPolicy", "dcp.save", "dcp.load"]),
+    "the collectives, and a ring all-reduce by hand": (r"collectives", ["all_reduce", "all_gather", "send", "recv"]),
+    "saved activations and checkpointing": (r"memory", ["saved_tensors_hooks", "checkpoint", "meta"]),
+    "fully_shard": (r"fsdp", ["fully_shard", "MixedPrecisionPolicy"]),
+    "distributed checkpoints": (r"distributed-checkpoints", ["dcp.save", "dcp.load"]),
+    "tensor parallelism on a mesh": (r"tensor-parallel", ["init_device_mesh", "parallelize_module", "ColwiseParallel",
+                                                          "RowwiseParallel"]),
     "the Keras model under DDP": (r"keras", ["keras.layers", "DistributedDataParallel", "DistributedSampler"]),
 }
 
@@ -56,6 +61,11 @@ class Report:
     exercises: int = 0
     solutions: int = 0
     code: str = ""  # code cells joined, strings and comments removed
+    code_lines: int = 0  # lines of code (no blank or comment-only lines), solution cells left out
+    helper_calls: int = 0  # calls into the course's helpers package, solution cells left out
+    torch_calls: int = 0  # calls into torch (torchvision, keras), solution cells left out
+    gpu_lines: list[str] = field(default_factory=list)  # code only a GPU runs: the bodies of GPU-only branches
+    process_risks: list[str] = field(default_factory=list)  # top-level CUDA or autograd in the notebook process
     defined: set[str] = field(default_factory=set)
     launched: set[str] = field(default_factory=set)
 
@@ -131,6 +141,84 @@ def _calls(src: str, aliases: dict[str, ast.expr]) -> tuple[set[str], set[str]]:
     return defined, launched
 
 
+LIBRARIES = {"torch": "torch", "torchvision": "torch", "keras": "torch", "helpers": "helpers"}
+
+
+def _origins(tree: ast.AST, origins: dict[str, str]) -> None:
+    """Names a cell imports, mapped to 'torch' or 'helpers' (the library they come from)."""
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            for a in n.names:
+                lib = LIBRARIES.get(a.name.split(".")[0])
+                if lib:
+                    origins[(a.asname or a.name).split(".")[0]] = lib
+        elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+            lib = LIBRARIES.get(n.module.split(".")[0])
+            if lib:
+                for a in n.names:
+                    origins[a.asname or a.name] = lib
+
+
+def _library_calls(tree: ast.AST, origins: dict[str, str]) -> dict[str, int]:
+    """How many calls in a cell go to torch and to helpers, by the name each call starts from."""
+    counts = {"torch": 0, "helpers": 0}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call):
+            root = n.func
+            while isinstance(root, ast.Attribute):  # torch.nn.Linear(...) yes; F.relu(x).sum() counts once
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in origins:
+                counts[origins[root.id]] += 1
+    return counts
+
+
+# Code that starts CUDA or runs autograd in the notebook's own process breaks every later GPU fork (launch refuses
+# once CUDA started; a CPU backward poisons a forked rank's CUDA): only inside functions, which ranks or children run.
+SAFE_CUDA = {"is_available", "device_count", "is_initialized", "is_bf16_supported", "get_device_name"}
+GPU_TEST = re.compile(r"n_gpus|gpu_count\(|\.type\s*==\s*[\"']cuda|cuda\.is_available|has_gpu|GPUS\b", re.I)
+
+
+def _top_level(tree: ast.Module):
+    """Every node a cell runs in the notebook process itself: not inside a function, lambda or class."""
+    stack = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            continue
+        yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def process_risk(node: ast.AST) -> str | None:
+    """Why a top-level call would start CUDA or autograd in the notebook process, or None."""
+    if not isinstance(node, ast.Call):
+        return None
+    name = ast.unparse(node.func)
+    if name.endswith(".backward") or name in ("torch.autograd.grad", "autograd.grad"):
+        return "autograd"
+    cuda = (name.endswith(".cuda")
+            or any(kw.arg == "device" and isinstance(kw.value, ast.Constant) and str(kw.value.value).startswith("cuda")
+                   for kw in node.keywords)
+            or (name.endswith(".to") and node.args and isinstance(node.args[0], ast.Constant)
+                and str(node.args[0].value).startswith("cuda")))
+    if cuda:
+        return "CUDA"
+    m = re.match(r"torch\.cuda\.(\w+)$", name)
+    if m and m.group(1) not in SAFE_CUDA:
+        return f"torch.cuda.{m.group(1)}"
+    return None
+
+
+def _gpu_only(tree: ast.AST) -> list[str]:
+    """The lines inside ``if <a GPU test>:`` branches: code CI, which has no GPU, never runs."""
+    lines = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.If) and GPU_TEST.search(test := ast.unparse(n.test)):
+            negated = re.search(r"\bnot\b|<|==\s*0\b", test)  # `if not n_gpus:` is the CPU's branch
+            lines += [line for b in (n.orelse if negated else n.body) for line in ast.unparse(b).splitlines()]
+    return lines
+
+
 def _exercises(markdown: str) -> int:
     m = re.search(r"^#+\s*Exercises\s*$(.*?)(?=^#+\s|\Z)", markdown, re.M | re.S)
     return len(re.findall(r"^\s*\d+\.\s", m.group(1), re.M)) if m else 0
@@ -138,8 +226,8 @@ def _exercises(markdown: str) -> int:
 
 def audit_notebook(path: Path) -> Report:
     r = Report(path.stem)
-    markdown, code, aliases = [], [], {}
-    for cell in json.loads(path.read_text())["cells"]:
+    markdown, code, aliases, origins = [], [], {}, {}
+    for index, cell in enumerate(json.loads(path.read_text())["cells"]):
         src = "".join(cell["source"])
         if cell["cell_type"] == "markdown":
             markdown.append(src)
@@ -148,13 +236,26 @@ def audit_notebook(path: Path) -> Report:
         elif cell["cell_type"] == "code":
             stripped, english = _code_and_strings(src)
             code.append(stripped)
-            r.string_words += sum(len(WORD.findall(s)) for s in english)
             defined, launched = _calls(src, aliases)
             r.defined |= defined
             r.launched |= launched
+            r.figures += len(re.findall(r"\bfigures\.show\(", src))
+            try:
+                tree = ast.parse(_python(src)) if not src.lstrip().startswith("%%") else ast.Module([], [])
+            except SyntaxError:
+                tree = ast.Module([], [])
+            _origins(tree, origins)
+            r.process_risks += [f"cell {index} line {n.lineno}: {why}: {ast.unparse(n)[:70]}"
+                                for n in _top_level(tree) if (why := process_risk(n))]
             if "solution" in cell.get("metadata", {}).get("tags", []):
                 r.solutions += 1
-            r.figures += len(re.findall(r"\bfigures\.show\(", src))
+                continue  # a solution is the learner's own work: the reading and code budgets leave it out
+            r.string_words += sum(len(WORD.findall(s)) for s in english)
+            r.code_lines += sum(1 for line in stripped.splitlines() if line.strip())
+            calls = _library_calls(tree, origins)
+            r.helper_calls += calls["helpers"]
+            r.torch_calls += calls["torch"]
+            r.gpu_lines += _gpu_only(tree)
     text = "\n".join(markdown)
     r.words = len(WORD.findall(re.sub(r"```.*?```|`[^`]*`|\(https?://[^)]*\)", " ", text, flags=re.S)))
     r.words += r.string_words
@@ -214,10 +315,19 @@ def main() -> int:
         write_readme()
         return 0
     reports, missing, undefined = audit()
-    print(f"{'notebook':34} {'words':>6} {'in str':>6} {'figs':>4} {'links':>5} {'ex':>3} {'sol':>3}")
+    print("Solution cells left out of words, code lines and calls. gpu: lines only a GPU runs (CI never does).")
+    print(f"{'notebook':34} {'words':>6} {'in str':>6} {'code':>5} {'help':>5} {'torch':>5} {'figs':>4} "
+          f"{'links':>5} {'ex':>3} {'sol':>3} {'gpu':>4}")
     for r in reports:
-        print(f"{r.name:34} {r.words:6d} {r.string_share:6.0%} {r.figures:4d} {r.links:5d} "
-              f"{r.exercises:3d} {r.solutions:3d}")
+        print(f"{r.name:34} {r.words:6d} {r.string_share:6.0%} {r.code_lines:5d} {r.helper_calls:5d} "
+              f"{r.torch_calls:5d} {r.figures:4d} {r.links:5d} {r.exercises:3d} {r.solutions:3d} {len(r.gpu_lines):4d}")
+    for r in reports:
+        if r.gpu_lines:
+            print(f"\n{r.name}: the lines only a GPU runs")
+            print("\n".join("    " + line for line in r.gpu_lines))
+    risks = [f"  {r.name} {risk}" for r in reports for risk in r.process_risks]
+    print(f"\ntop-level CUDA or autograd in a notebook's own process: {len(risks)}")
+    print("\n".join(risks)) if risks else None
     n = sum(len(v) for v in undefined.values())
     print(f"\nlaunched functions defined in no notebook: {n}")
     for name, fns in undefined.items():
