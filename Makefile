@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	PIP_CONSTRAINT=/dev/null $(PY) -m pip install -q --upgrade pip
+	PIP_CONSTRAINT=/dev/null $(PY) -m pip install -q --upgrade pip "setuptools>=77"
 	PIP_CONSTRAINT=/dev/null $(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[dev]"
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)

@@ -189,8 +189,12 @@ def driver_check(torch_cuda: str | None = None, driver_cuda: str | None = "read"
     """A warning when this GPU driver is too old for torch's CUDA build, else None.
 
     The driver's newest CUDA comes from NVML (``driver_cuda`` overrides it, for
-    tests); a torch built for a newer CUDA reports GPUs and then fails on first
-    use, so the notebooks check before training.
+    tests). Only the major versions are compared: by CUDA's minor-version
+    compatibility a build for 12.8 runs on any 12.x driver (>= 525) and one for
+    13.2 on any 13.x driver (>= 580), which is what Kaggle's and Colab's drivers
+    rely on (https://docs.nvidia.com/deploy/cuda-compatibility/). A driver of an
+    older major version reports GPUs and then fails on first use, so the
+    notebooks check before training.
     Introduced in notebooks/00-check-environment.ipynb.
     """
     torch_cuda = torch.version.cuda if torch_cuda is None else torch_cuda
@@ -198,12 +202,31 @@ def driver_check(torch_cuda: str | None = None, driver_cuda: str | None = "read"
         driver_cuda = _nvml_cuda_version()
     if not torch_cuda or not driver_cuda:
         return None
-    need, have = _version(torch_cuda), _version(driver_cuda)
-    if have >= need[:2]:
+    need, have = _version(torch_cuda)[0], _version(driver_cuda)[0]
+    if have >= need:
         return None
-    return (f"this GPU driver supports CUDA up to {driver_cuda}, but torch was built for CUDA {torch_cuda}: "
-            "GPU work will fail. Fix: update the NVIDIA driver, or install a torch build for CUDA "
-            f"{driver_cuda} or older (see pytorch.org's install selector), then restart the kernel.")
+    return (f"this GPU driver supports CUDA up to {driver_cuda}, but torch was built for CUDA {torch_cuda}, a newer "
+            f"major version: GPU work will fail. Fix: update the NVIDIA driver to one for CUDA {need}.x, or install a "
+            f"torch build for CUDA {have}.x if torch still ships one (pytorch.org's install selector and its "
+            "'previous versions' page list them), then restart the kernel.")
+
+
+def nccl_p2p_hint(peer_access: dict[tuple[int, int], bool] | None = None) -> str:
+    """What to try when NCCL ranks hang between GPUs: NCCL_P2P_DISABLE=1, with NVML's answer for each GPU pair.
+
+    Consumer cards and some virtual machines (Kaggle's 2x T4 among them) report
+    peer-to-peer access that does not work, and NCCL then waits forever on the
+    first collective; ``NCCL_P2P_DISABLE=1`` sends the traffic through host memory
+    instead (https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html).
+    Introduced in notebooks/00-check-environment.ipynb.
+    """
+    peers = describe().peer_access if peer_access is None else peer_access
+    if os.environ.get("NCCL_P2P_DISABLE") == "1":
+        return "NCCL_P2P_DISABLE=1 is already set, so peer-to-peer is not the cause"
+    said = ", ".join(f"cuda:{a}->cuda:{b} {'yes' if ok else 'no'}" for (a, b), ok in sorted(peers.items()))
+    nvml = f"NVML reports peer access {said}" if said else "NVML could not report peer access here"
+    return (f"if NCCL ranks hang at their first collective, try peer-to-peer off: os.environ['NCCL_P2P_DISABLE'] = "
+            f"'1' in the notebook before launching (ranks inherit it), or export it for torchrun ({nvml})")
 
 
 def _version(text: str) -> tuple[int, int]:

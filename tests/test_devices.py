@@ -120,13 +120,30 @@ def test_describe_does_not_initialise_cuda():
     assert not torch.cuda.is_initialized()
 
 
-def test_driver_check_warns_only_when_the_driver_is_older_than_the_build():
+def test_driver_check_warns_only_when_the_driver_is_of_an_older_major_version():
     assert devices.driver_check("13.0", "13.0") is None
     assert devices.driver_check("12.4", "12.6") is None
     assert devices.driver_check("13.0", None) is None, "no driver: nothing to compare"
     assert devices.driver_check("", "12.0") is None, "CPU-only torch build"
     warning = devices.driver_check("13.0", "12.4")
     assert "CUDA up to 12.4" in warning and "built for CUDA 13.0" in warning and "Fix:" in warning
+    assert "CUDA 13.x" in warning and "CUDA 12.x" in warning
+
+
+def test_driver_check_follows_cuda_minor_version_compatibility():
+    """Kaggle's and Colab's drivers run newer 12.x/13.x builds: a minor version ahead of the driver is fine."""
+    assert devices.driver_check("12.8", "12.4") is None, "a 12.8 build on a 12.4 driver (Colab, Kaggle) works"
+    assert devices.driver_check("13.2", "13.0") is None, "torch 2.15's 13.2 build on a 580 driver (13.0)"
+    assert devices.driver_check("13.2", "12.9") is not None, "a new major version needs a new driver"
+
+
+def test_nccl_p2p_hint_names_the_switch_and_what_nvml_read(monkeypatch):
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    hint = devices.nccl_p2p_hint({(0, 1): True, (1, 0): True})
+    assert "NCCL_P2P_DISABLE" in hint and "cuda:0->cuda:1 yes" in hint
+    assert "could not report" in devices.nccl_p2p_hint({})
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    assert "already set" in devices.nccl_p2p_hint({(0, 1): False})
 
 
 class FakeNVML:

@@ -5,6 +5,8 @@ import re
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -46,3 +48,41 @@ def test_notebooks_open_with_the_house_header():
                  if "solution" not in c.get("metadata", {}).get("tags", [])]
         last = "".join(c for cell in cells[-3:] for c in cell["source"])
         assert "Summary" in last and "Exercises" in last, path.name
+
+
+def test_installing_the_course_keeps_the_platform_s_torch(tmp_path):
+    """Kaggle, Colab or a GPU image already has a torch: `pip install <course>` there must not fetch another.
+
+    A fresh environment sees this interpreter's packages (torch among them) the way a platform's Python sees its
+    preinstalled ones, then installs the course with no package index at all: a wish for another torch (or any
+    download) fails the install. Afterwards torch is the same file and version, and notebooks/ imports helpers.
+    """
+    import os
+    import site
+    import subprocess
+    import sys
+    import sysconfig
+
+    import setuptools
+    import torch
+
+    if int(setuptools.__version__.split(".")[0]) < 77:
+        pytest.skip(f"setuptools {setuptools.__version__} cannot build the course (>= 77); `make` upgrades it")
+    env_dir = tmp_path / "platform"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True)
+    python = env_dir / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    preinstalled = [sysconfig.get_paths()["purelib"], *site.getsitepackages()]
+    Path(purelib, "platform.pth").write_text("\n".join(dict.fromkeys(preinstalled)) + "\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")} | {"PIP_CONSTRAINT": "/dev/null"}
+    out = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-index",
+                          "--no-build-isolation", str(ROOT)], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    probe = "import torch, helpers; print(torch.__version__, torch.__file__, helpers.__file__, sep='|')"
+    seen = subprocess.run([str(python), "-c", probe], cwd=ROOT / "notebooks", capture_output=True, text=True,
+                          env=env | {"PYTHONNOUSERSITE": "1"})
+    assert seen.returncode == 0, seen.stderr
+    version, torch_file, helpers_file = seen.stdout.strip().split("|")
+    assert (version, torch_file) == (torch.__version__, torch.__file__), "the install replaced the platform's torch"
+    assert helpers_file.startswith(purelib), f"helpers came from {helpers_file}, not the installed course"
