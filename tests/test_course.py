@@ -217,3 +217,23 @@ def test_make_timings_rewrites_only_the_time_of_a_header(tmp_path):
                           "torch 2.14.1)") and first.startswith("# 99 · X\n\n")
     assert [time_notebooks.minutes(s) for s in (8, 31, 60, 95, 150, 181, 200, 330)] == \
         ["~10 s", "~30 s", "~1 min", "~1.5 min", "~2.5 min", "~3 min", "~3 min", "~6 min"]
+
+
+def _import_guard(path: Path) -> ast.Try | None:
+    """The try statement around `import helpers` in a notebook's first code cell."""
+    first = next(c for c in cells(path) if c["cell_type"] == "code")
+    tree = ast.parse(course_audit._python("".join(first["source"])))
+    return next((n for n in tree.body if isinstance(n, ast.Try)
+                 and any(isinstance(b, ast.Import) and b.names[0].name == "helpers" for b in n.body)), None)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_a_notebook_opened_without_the_course_says_where_to_install_it(path, monkeypatch):
+    """Opened on Kaggle or Colab without the course: one short message naming the README's route."""
+    guard = _import_guard(path)
+    assert guard is not None, "the first code cell imports helpers without the guard that names the README's route"
+    monkeypatch.setitem(sys.modules, "helpers", None)  # what an environment without the course answers
+    with pytest.raises(ModuleNotFoundError) as e:
+        exec(compile(ast.Module([guard], []), path.name, "exec"), {})
+    route = re.search(r"'([^']+)'\)", str(e.value)).group(1)
+    assert "README.md" in str(e.value) and f"## {route}" in (ROOT / "README.md").read_text(), str(e.value)
