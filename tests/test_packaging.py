@@ -58,6 +58,7 @@ def test_installing_the_course_keeps_the_platform_s_torch(tmp_path):
     download) fails the install. Afterwards torch is the same file and version, and notebooks/ imports helpers.
     """
     import os
+    import shutil
     import site
     import subprocess
     import sys
@@ -76,8 +77,12 @@ def test_installing_the_course_keeps_the_platform_s_torch(tmp_path):
     preinstalled = [sysconfig.get_paths()["purelib"], *site.getsitepackages()]
     Path(purelib, "platform.pth").write_text("\n".join(dict.fromkeys(preinstalled)) + "\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")} | {"PIP_CONSTRAINT": "/dev/null"}
+    course = tmp_path / "course"  # a copy, so that the build leaves nothing in the checkout
+    shutil.copytree(ROOT / "helpers", course / "helpers", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, course / name)
     out = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-index",
-                          "--no-build-isolation", str(ROOT)], capture_output=True, text=True, env=env)
+                          "--no-build-isolation", str(course)], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     probe = "import torch, helpers; print(torch.__version__, torch.__file__, helpers.__file__, sep='|')"
     seen = subprocess.run([str(python), "-c", probe], cwd=ROOT / "notebooks", capture_output=True, text=True,
