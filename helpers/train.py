@@ -37,13 +37,15 @@ class Stats:
 
 
 def sync(device) -> None:
-    """Wait for queued GPU work, so a clock read afterwards is honest.
+    """Wait for queued GPU work on ``device``, or on each device of a list, so a clock read afterwards is honest.
 
-    Introduced in notebooks/04-ddp.ipynb.
+    Work queued on several GPUs (nn.DataParallel's step) is finished only when every one of them is: a list syncs
+    each. Introduced in notebooks/04-ddp.ipynb.
     """
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    for d in device if isinstance(device, (list, tuple)) else [device]:
+        d = torch.device(d)
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
 
 
 @contextlib.contextmanager
@@ -202,6 +204,24 @@ def fit(model, train_loader, test_loader, optimizer, device, epochs: int, *, amp
 
 
 # ---- exported from notebooks/01-single-gpu.ipynb: edit it there, then run `make export` ----
+@torch.no_grad()
+def evaluate(model, loader, device, *, amp=None, loss_fn=F.cross_entropy) -> Stats:
+    """Mean loss and accuracy over ``loader``, without gradients.
+
+    Introduced in notebooks/01-single-gpu.ipynb.
+    """
+    device = torch.device(device)
+    model.eval()
+    tally = Tally(device)
+    for x, y in loader:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with autocast(device, amp):
+            out = model(x)
+            loss_sum = loss_fn(out, y, reduction="sum").float()
+        tally.add(loss_sum, out, y)
+    return tally.stats()
+
+
 def train_one_epoch(model, loader, optimizer, device, *, amp=None, scaler=None, scheduler=None,
                     loss_fn=F.cross_entropy, on_step=None, max_steps=None, stop=None) -> Stats:
     """One training pass over ``loader``; returns its Stats (mean loss, accuracy, samples, seconds).
@@ -232,23 +252,5 @@ def train_one_epoch(model, loader, optimizer, device, *, amp=None, scaler=None, 
         tally.add(loss.detach() * y.shape[0], out, y)  # no .item(): nothing waits for the device here
         if on_step is not None:
             on_step(step, loss)
-    return tally.stats()
-
-
-@torch.no_grad()
-def evaluate(model, loader, device, *, amp=None, loss_fn=F.cross_entropy) -> Stats:
-    """Mean loss and accuracy over ``loader``, without gradients.
-
-    Introduced in notebooks/01-single-gpu.ipynb.
-    """
-    device = torch.device(device)
-    model.eval()
-    tally = Tally(device)
-    for x, y in loader:
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with autocast(device, amp):
-            out = model(x)
-            loss_sum = loss_fn(out, y, reduction="sum").float()
-        tally.add(loss_sum, out, y)
     return tally.stats()
 # ---- end of export from notebooks/01-single-gpu.ipynb ----
