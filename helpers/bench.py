@@ -11,8 +11,8 @@ from .train import sync
 def time_it(fn, *, device="cpu", warmup: int = 1, repeats: int = 5) -> dict:
     """Run ``fn()`` ``warmup`` times untimed, then ``repeats`` times timed.
 
-    Returns median, min and all seconds; the device is synchronised around
-    each timed call so queued GPU work is counted.
+    Returns median, min and all seconds; the device (or each device of a list)
+    is synchronised around each timed call so queued GPU work is counted.
     Machinery behind bench.compare; no notebook calls it directly.
     """
     if repeats < 1:
@@ -43,7 +43,8 @@ def compare(fns: dict, *, device="cpu", warmup: int = 1, rounds: int = 5) -> dic
 
     Alternating keeps a drifting machine (turbo, caches, a neighbour's job)
     from always favouring whichever runs first. Returns, per name, the median,
-    min, max and all seconds, one per round.
+    min, max and all seconds, one per round. ``device`` may be a list: every
+    device a step uses is synchronised before the clock is read.
     Introduced in notebooks/02-data-parallel.ipynb.
     """
     if rounds < 1:

@@ -122,6 +122,19 @@ def test_full_fp32_turns_tf32_off_and_restores_it():
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
+def test_sync_waits_for_every_gpu_of_a_list(monkeypatch):
+    """nn.DataParallel's step runs on several GPUs: a clock read after syncing the first one alone stops early."""
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: synced.append(str(d)))
+    train.sync([torch.device("cuda", 0), torch.device("cuda", 1), "cpu"])
+    assert synced == ["cuda:0", "cuda:1"]
+    synced.clear()
+    bench.compare({"step": lambda: None}, device=["cuda:0", "cuda:1"], warmup=0, rounds=1)
+    assert synced == ["cuda:0", "cuda:1"] * 2, "before and after the timed call, every device"
+    train.sync("cpu")
+    assert len(synced) == 4
+
+
 def test_compare_alternates_the_order_and_reports_median_and_spread():
     calls = []
     out = bench.compare({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, warmup=1, rounds=3)
