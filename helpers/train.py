@@ -82,16 +82,6 @@ def autocast(device, amp: str | None):
     return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
 
 
-def make_scaler(device, amp: str | None):
-    """A GradScaler when fp16 on a GPU needs one (bf16 and fp32 do not), else None.
-
-    Introduced in notebooks/07-large-batch.ipynb.
-    """
-    if amp == "fp16" and torch.device(device).type == "cuda":
-        return torch.amp.GradScaler("cuda")
-    return None
-
-
 class Tally:
     """Running loss and accuracy kept on the device; ``stats()`` reads them with one sync, at the end.
 
@@ -254,3 +244,13 @@ def train_one_epoch(model, loader, optimizer, device, *, amp=None, scaler=None, 
             on_step(step, loss)
     return tally.stats()
 # ---- end of export from notebooks/01-single-gpu.ipynb ----
+
+
+# ---- exported from notebooks/07-large-batch.ipynb: edit it there, then run `make export` ----
+def make_scaler(device, amp):
+    """A GradScaler for fp16, whose small gradients underflow; None for bf16 and fp32, which need none.
+
+    Introduced in notebooks/07-large-batch.ipynb.
+    """
+    return torch.amp.GradScaler(torch.device(device).type) if amp == "fp16" else None
+# ---- end of export from notebooks/07-large-batch.ipynb ----

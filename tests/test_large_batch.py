@@ -1,7 +1,7 @@
-"""What notebook 07 exports: which precisions a device offers, and how the mixed-precision check is sized.
+"""What notebook 07 exports: which precisions a device offers; and fp16's underflow, which its text and figure state.
 
 The autocast/GradScaler step, the LR warm-up and the race are defined and asserted in
-notebooks/07-large-batch.ipynb itself (CI runs it); what stays here are its two exported rules, checked without a
+notebooks/07-large-batch.ipynb itself (CI runs it); what stays here is its exported rule, checked without a
 GPU: capabilities are mocked, CPU flags read from a file that $MULTIGPU_CPUINFO points to.
 """
 
@@ -38,18 +38,10 @@ def test_a_gpu_offers_bf16_from_compute_capability_8_and_always_fp16(monkeypatch
         assert amp.precisions("cuda:0") == expected, capability
 
 
-def test_the_sizing_gives_fewer_steps_when_the_bf16_step_is_slow():
-    budget, most = 45, 300
-    fast_bf16 = {"fp32": 0.05, "bf16": 0.033}  # a CPU with AVX512-BF16: bf16 ~1.5x fp32
-    slow_bf16 = {"fp32": 0.1, "bf16": 0.55}    # emulated bf16: ~5.5x slower than fp32
-    fast = amp.affordable_steps(fast_bf16, budget, most=most, least=50)
-    slow = amp.affordable_steps(slow_bf16, budget, most=most, least=50)
-    assert fast == most, "where every step is quick the check trains its full length"
-    assert slow == int(budget / 0.65) < fast, "a slow bf16 step buys fewer steps for every precision"
-    assert slow * sum(slow_bf16.values()) <= budget, "and the sized check fits its budget"
-
-
-def test_the_sizing_keeps_to_its_least_and_most():
-    assert amp.affordable_steps({"fp32": 10.0, "bf16": 60.0}, 45, most=300, least=50) == 50
-    assert amp.affordable_steps({"fp32": 1e-4}, 45, most=300) == 300
-    assert amp.affordable_steps({"fp32": 1.0, "bf16": 5.0}, 5, most=300) == 1, "least defaults to one step"
+def test_fp16_underflows_below_half_its_smallest_subnormal_and_a_scaled_gradient_survives():
+    """07's claim, and its figure's: fp16's smallest number is 2**-24; above 2**-25 rounds up to it, 2**-25 and below to 0."""
+    tiny = 2.0**-24
+    assert torch.tensor(tiny).half().item() == tiny == torch.finfo(torch.float16).smallest_normal * 2.0**-10
+    assert torch.tensor(2**-25 * 1.01).half().item() == tiny
+    assert torch.tensor(2**-25).half().item() == 0 and torch.tensor(6e-8 / 2.5).half().item() == 0
+    assert torch.tensor(1e-8 * 2**16).half().item() > 0
