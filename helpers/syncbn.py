@@ -3,7 +3,10 @@
 ``torch.nn.SyncBatchNorm`` runs on GPU ranks only: on CPU ranks ``DDP(...)`` refuses it ("SyncBatchNorm layers
 only work with GPU modules"). ``CPUSyncBatchNorm`` does the same arithmetic on any device: it all-reduces the
 per-channel sums and counts, then the squared deviations, with an autograd-aware collective, so the backward pass
-also flows through the other ranks' statistics, as torch's does. Notebook 06 converts with torch's
+also flows through the other ranks' statistics, as torch's does. The collectives differ: torch's forward
+all-gathers each rank's mean, inverse std and count and its backward all-reduces two gradient sums (two per layer
+per step, ``torch/nn/modules/_functions.py``); this one all-reduces twice in forward, and autograd all-reduces
+their two gradients in backward (four per layer per step, counted in notebook 06). Notebook 06 converts with torch's
 ``nn.SyncBatchNorm.convert_sync_batchnorm`` on GPU ranks and with ``CPUSyncBatchNorm.convert_sync_batchnorm``
 (the same call) on CPU ranks.
 """

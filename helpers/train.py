@@ -4,7 +4,8 @@
 the end of this file); every DDP rank in later notebooks runs them. The loop keeps its running loss and accuracy on
 the device (``Tally``) and reads them once per pass, so it never waits on the GPU inside a step (a
 ``loss.item()`` per step would). Around them: timing sync, full-fp32 and autocast contexts, the Stop and
-LR-schedule hooks, and ``fit`` (epochs with a progress bar).
+LR-schedule hooks, and ``fit`` (epochs with a progress bar). ``make_scaler`` is exported from
+notebooks/07-large-batch.ipynb (the second region at the end).
 """
 
 from __future__ import annotations
