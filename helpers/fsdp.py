@@ -1,23 +1,19 @@
-"""The machinery around notebook 15's FSDP2 ranks: shared batches, a memory probe, and the CPU fallback.
+"""FSDP2 as notebook 15 teaches it, and the machinery its ranks need around it.
 
-The lesson (``fully_shard``, ``MixedPrecisionPolicy``, the training step and the
-``torch.distributed.checkpoint`` save and load) is written in
-notebooks/15-fsdp.ipynb. What stays here is what its ranks need around it: the
-global batches every mode trains on, the bytes of parameters held between
-forward and backward, and ``launch_fsdp``, which moves the ranks to the CPU
-where FSDP2 over gloo cannot use GPUs that ranks share.
+The lesson (the model, ``shard`` with ``fully_shard`` and ``MixedPrecisionPolicy``,
+the meta-device build, the training step) is written in notebooks/15-fsdp.ipynb
+and exported below, so that notebook 16 (distributed checkpoints) and the tests
+reuse the same code. Above the export: the global batches every mode trains on,
+and the bytes of parameters held between forward and backward.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from . import devices
-from .launch import RankFailed, launch
 from .memory import local_bytes
 
 
@@ -49,24 +45,89 @@ def params_after_forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> 
     return held
 
 
-def launch_fsdp(fn, world_size: int, *args, **kw):
-    """``launch(fn, world_size, *args, **kw)``; where ranks share a GPU over gloo and that fails, again on the CPU.
+# ---- exported from notebooks/15-fsdp.ipynb: edit it there, then run `make export` ----
+class Block(nn.Module):
+    """x + W2·gelu(W1·LayerNorm(x)): a pre-norm residual MLP block.
 
-    NCCL refuses two ranks on one GPU, so shared GPUs mean gloo, and whether
-    FSDP2's all-gather and reduce-scatter run over gloo on CUDA tensors depends
-    on the torch build. Rather than guess, try it; on failure print the error's
-    first line and rerun with ``on_cpu=True`` (``fn`` must accept it). Returns
-    ``(results, where)``, ``where`` a sentence saying which devices were used.
     Introduced in notebooks/15-fsdp.ipynb.
     """
-    plan = devices.plan(world_size)
-    try:
-        return launch(fn, world_size, *args, **kw), plan.sentence
-    except RankFailed as e:
-        if plan.kind not in ("shared-gpu", "partly-shared"):
-            raise
-        first = next((line for line in str(e).splitlines() if "Error" in line), str(e).splitlines()[0])
-        print(f"FSDP2 over gloo on shared GPUs failed here ({first.strip()[:200]}); running the ranks on the CPU")
-    kw.setdefault("quiet", True)
-    return launch(functools.partial(fn, on_cpu=True), world_size, *args, **kw), (
-        f"{world_size} ranks on CPU (gloo), because FSDP2 over gloo failed on the shared GPU")
+
+    def __init__(self, width):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class BlockStack(nn.Module):
+    """A flattened 28x28 image → Linear to width → `blocks` Blocks → Linear to 10 classes.
+
+    Introduced in notebooks/15-fsdp.ipynb.
+    """
+
+    def __init__(self, width=128, blocks=4):
+        super().__init__()
+        self.embed = nn.Linear(784, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(blocks))
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x):
+        h = self.embed(x.flatten(1))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def shard(model, mesh, *, reshard_after_forward=None, param_dtype=None):
+    """fully_shard each block, then the root; param_dtype: gather and compute in it, reduce in float32.
+
+    Introduced in notebooks/15-fsdp.ipynb.
+    """
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    for block in model.blocks:  # one unit per block
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)  # embed, head
+    return model
+
+
+def sharded_model(width, blocks, mesh, device, *, seed=0, **shard_kw):
+    """BlockStack built on the meta device, sharded, given storage for this rank's slices, and initialised.
+
+    Introduced in notebooks/15-fsdp.ipynb.
+    """
+    with torch.device("meta"):
+        model = BlockStack(width, blocks)  # shapes only, whatever the size
+    shard(model, mesh, **shard_kw)  # DTensor parameters, still on meta
+    model.to_empty(device=device)  # this rank's slices only, contents arbitrary
+    torch.manual_seed(seed)
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    return model
+
+
+def train_step(model, optimizer, x, y):
+    """zero_grad, forward, backward, step; the loss, detached.
+
+    Introduced in notebooks/15-fsdp.ipynb.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()  # FSDP: gathers each block again, then reduce-scatters its gradients into the slices
+    optimizer.step()  # FSDP: this rank's slices only
+    return loss.detach()
+
+
+def rank_slice(dataset, batches, k, rank, world_size, device):
+    """This rank's equal slice of global batch k (row k of `batches`).
+
+    Introduced in notebooks/15-fsdp.ipynb.
+    """
+    b = batches.shape[1] // world_size
+    images, labels = dataset.tensors
+    idx = batches[k, rank * b:(rank + 1) * b]
+    return images[idx].to(device), labels[idx].to(device)
+# ---- end of export from notebooks/15-fsdp.ipynb ----

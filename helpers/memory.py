@@ -49,9 +49,10 @@ def comm_bytes_per_step(n_params: int, world_size: int, *, param_bytes: int = 4,
     """Bytes each rank sends per training step with ring collectives: DDP's all-reduce vs FSDP's.
 
     A ring all-reduce of N bytes sends 2·(W−1)/W·N per rank; an all-gather or a
-    reduce-scatter sends (W−1)/W·N. FSDP all-gathers the parameters for the
-    forward, again for the backward when it resharded after the forward, and
-    reduce-scatters the gradients. Returns ``{"DDP": ..., "FSDP": ..., "FSDP/DDP": ...}``.
+    reduce-scatter sends (W−1)/W·N. FSDP all-gathers the parameters (``param_bytes``
+    each, 2 under a 16-bit ``param_dtype``) for the forward, again for the backward
+    when every unit resharded after the forward, and reduce-scatters the gradients
+    (``grad_bytes`` each: 4 under ``reduce_dtype=torch.float32``). Returns ``{"DDP": ..., "FSDP": ..., "FSDP/DDP": ...}``.
     Introduced in notebooks/15-fsdp.ipynb.
     """
     positive_int("n_params", n_params)
@@ -79,7 +80,7 @@ def transformer_params(d_model: int, layers: int, vocab: int = 32_000) -> int:
 def local_bytes(t: torch.Tensor) -> int:
     """Bytes this rank stores for ``t``: its local shard when ``t`` is a DTensor (FSDP2), else all of it.
 
-    Introduced in notebooks/15-fsdp.ipynb.
+    Machinery behind memory.state_bytes and fsdp.params_after_forward; no notebook calls it directly.
     """
     local = t.to_local() if hasattr(t, "to_local") else t
     return local.numel() * local.element_size()

@@ -1,6 +1,6 @@
-"""helpers.fsdp: the machinery around notebook 15's FSDP2 ranks (batches, the after-forward probe, the CPU fallback).
+"""helpers.fsdp: notebook 15's exported FSDP2 code (the meta-device build, shards, the step) and its machinery.
 
-The FSDP lesson itself (fully_shard, the step, DCP) is written in notebooks/15-fsdp.ipynb, whose asserts check it.
+The FSDP lesson itself is written in notebooks/15-fsdp.ipynb, whose asserts check it.
 Training runs in launched ranks only (a backward pass in this process would break later GPU forks).
 """
 
@@ -12,9 +12,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from helpers import devices, fsdp
+from helpers import fsdp
 from conftest import QUIET
-from helpers.launch import RankFailed, launch
+from helpers.launch import launch
 
 
 def test_global_batches_are_disjoint_and_seeded():
@@ -48,25 +48,25 @@ def test_params_after_forward_sees_what_resharding_frees():
     assert freed[0] < whole and freed[1]
 
 
-def test_launch_fsdp_falls_back_to_cpu_only_for_shared_gpus(monkeypatch, capsys):
-    calls = []
+def _sharded_rank(rank, world_size):
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = fsdp.sharded_model(8, 2, mesh, torch.device("cpu"), param_dtype=torch.bfloat16)
+    shards = {n: (p.placements[0].dim, p.to_local().shape[0], p.shape[0], p.dtype) for n, p in model.named_parameters()}
+    images, labels = torch.randn(4, 784), torch.randint(0, 10, (4,))
+    loss = fsdp.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), images, labels)
+    return shards, float(loss)
 
-    def fake_launch(fn, world_size, *args, **kw):
-        on_cpu = getattr(fn, "keywords", {}).get("on_cpu", False)
-        calls.append(on_cpu)
-        if not on_cpu:
-            raise RankFailed("rank 0 raised:\nRuntimeError: no support for _reduce_scatter_base in Gloo")
-        return ["ok"]
 
-    def rank_fn(rank, world_size, *, on_cpu=False):
-        return on_cpu
+def test_sharded_model_is_built_on_meta_and_holds_slices_of_dim_0():
+    shards, loss = launch(_sharded_rank, 2, **QUIET)[0]
+    assert loss > 0
+    for name, (dim, local, full, dtype) in shards.items():
+        assert dim == 0 and local == -(-full // 2) and dtype == torch.float32, name  # bf16 only for compute
 
-    monkeypatch.setattr(fsdp, "launch", fake_launch)
-    real_plan = devices.plan
-    monkeypatch.setattr(fsdp.devices, "plan", lambda w: real_plan(w, n_gpus=1))
-    result, where = fsdp.launch_fsdp(rank_fn, 2)
-    assert result == ["ok"] and calls == [False, True] and "CPU" in where
-    assert "_reduce_scatter_base" in capsys.readouterr().out
-    monkeypatch.setattr(fsdp.devices, "plan", lambda w: real_plan(w, n_gpus=2))
-    with pytest.raises(RankFailed):  # own GPUs (nccl): a failure is a failure, not a reason to move
-        fsdp.launch_fsdp(rank_fn, 2)
+
+def test_rank_slice_cuts_a_global_batch_into_equal_parts():
+    images, labels = torch.arange(12.0).view(6, 2), torch.arange(6)
+    dataset = torch.utils.data.TensorDataset(images, labels)
+    batches = torch.tensor([[5, 4, 3, 2]])
+    x, y = fsdp.rank_slice(dataset, batches, 0, 1, 2, torch.device("cpu"))
+    assert y.tolist() == [3, 2] and torch.equal(x, images[[3, 2]])
