@@ -103,7 +103,7 @@ def plot_curves(curves: dict[str, list[tuple[float, float]]], xlabel: str, ylabe
 def figure_png(fig, dpi: int = 80) -> bytes:
     """A figure as PNG bytes, for an ``ipywidgets.Image`` (which, unlike display handles, updates in place).
 
-    Introduced in notebooks/15-fsdp.ipynb.
+    Machinery behind plots.LivePlot and widgets; no notebook calls it directly.
     """
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=dpi, bbox_inches="tight")  # a legend below the axes stays in
