@@ -1,7 +1,7 @@
 """What pipeline ranks run: the code of notebooks 09 and 10, exported from their cells (edit it there).
 
-06 writes the micro-batch schedule out by hand (``pipeline_step``) and the
-launched children that check and time it; 07 runs one stage per rank with
+09 writes the micro-batch schedule out by hand (``pipeline_step``) and the
+launched children that check it; 10 runs one stage per rank with
 ``torch.distributed.pipelining`` (``pp_rank``) and DDP over two-stage models
 (``hybrid_steps``). Only the imports below are this file's own: later
 notebooks, tests and scripts import the same code from here.
@@ -20,20 +20,21 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from . import schedules, stages
-from ._rank import rank_device, report
-from .bench import alternating, compare
+from ._rank import report
+from .bench import alternating
 from .checks import positive_int
 from .ddp import shard_sampler
 from .models import ConvNet, max_param_diff
+from .schedules import KINDS, programs
 from .stages import TwoStage
 from .train import full_fp32, sync
 
 
 # ---- exported from notebooks/09-model-parallel.ipynb: edit it there, then run `make export` ----
 def split_pair(split, seed, devices):
-    """Unsplit ConvNet, and a TwoStage copy. Introduced in notebooks/09-model-parallel.ipynb."""
+    """Unsplit ConvNet on the first stage's device, and a TwoStage copy. Introduced in notebooks/09-model-parallel.ipynb."""
     torch.manual_seed(seed)
-    ref = ConvNet(batch_norm=False).to(rank_device())
+    ref = ConvNet(batch_norm=False).to(devices[0])
     return ref, TwoStage(copy.deepcopy(ref), split, devices)
 
 
@@ -42,30 +43,32 @@ def check_split(rank, world_size, x, y, *, split=4, seed=0):
     plan = stages.plan_stages(2)
     with full_fp32():
         ref, model = split_pair(split, seed, plan.devices)
-        out_ref, out = ref(x.to(rank_device())), model(x)
+        out_ref, out = ref(x.to(plan.devices[0])), model(x)
         F.cross_entropy(out_ref, y.to(out_ref.device)).backward()
         F.cross_entropy(out, y.to(model.output_device)).backward()  # the labels go where the output is
-        ref_grads = {k: p.grad.detach().cpu() for k, p in ref.named_parameters()}
+        try:  # the classic mistake: labels left on stage 0's device
+            F.cross_entropy(model(x), y.to(model.devices[0]))
+            wrong_labels_error = None  # both stages on one device: nothing to mix up
+        except RuntimeError as e:
+            wrong_labels_error = str(e).splitlines()[0]
         return {"plan": plan.sentence, "devices": [str(d) for d in model.devices], "output_device": str(out.device),
                 "forward_diff": (out_ref.detach().cpu() - out.detach().cpu()).abs().max().item(),
-                "grad_diff": max_param_diff(ref_grads, model.convnet_state(grads=True)),
-                "memory": stages.stage_memory(model, x), "measured_memory": stages.measured_memory(model, x),
-                "wrong_labels_error": stages.wrong_labels_error(model, x, y)}
+                "grad_diff": max((ref.get_parameter(k).grad.cpu() - g).abs().max().item()
+                              for k, g in model.convnet_state(grads=True).items()),
+                "memory": stages.stage_memory(model, x), "wrong_labels_error": wrong_labels_error}
 
 
-def pipeline_step(model, x, y, n_micro, kind="gpipe", loss_fn=F.cross_entropy, clock=None):
+def pipeline_step(model, x, y, n_micro, kind="gpipe", loss_fn=F.cross_entropy):
     """Forward and backward in micro-batches. Introduced in notebooks/09-model-parallel.ipynb."""
-    # clock (a list) gets a measured Slot per pass, devices synchronised: it shows the order, not the speed
-    positive_int("n_micro", n_micro)
-    if n_micro > len(x):
-        raise ValueError(f"{n_micro} micro-batches need at least {n_micro} samples, got {len(x)}")
+    if positive_int("n_micro", n_micro) > len(x):
+        raise ValueError(f"n_micro must be from 1 to the batch size {len(x)}, got {n_micro}")
     d0, d1 = model.devices
     xs, ys = x.chunk(n_micro), y.chunk(n_micro)
-    order = schedules.simulate(schedules.programs(kind, 2, len(xs)))  # chunk may make fewer pieces
+    order = schedules.simulate(programs(kind, 2, len(xs)))  # chunk may make fewer pieces
     held = {}  # micro-batch -> what its backward still needs: the activations in flight
-    total, t0 = torch.zeros((), device=d1), time.perf_counter()
+    total = torch.zeros((), device=d1)
     for slot in order:
-        start, i = time.perf_counter() - t0, slot.mb
+        i = slot.mb
         if (slot.stage, slot.op) == (0, "F"):
             h = model.stage0(xs[i].to(d0))
             sent = h.detach().to(d1).requires_grad_(True)  # hand-off: stage 1 gets a fresh leaf on its device
@@ -78,50 +81,31 @@ def pipeline_step(model, x, y, n_micro, kind="gpipe", loss_fn=F.cross_entropy, c
         else:
             h, sent, _ = held.pop(i)
             h.backward(sent.grad.to(d0))  # stage 0 receives the gradient and finishes this micro-batch
-        if clock is not None:
-            sync(d0), sync(d1)
-            clock.append(schedules.Slot(slot.stage, slot.op, i, start, time.perf_counter() - t0))
     return total
 
 
-def check_schedules(rank, world_size, x, y, *, split=4, micro_counts=(1, 2, 4), seed=0):
-    """{(kind, M): gradient vs unsplit}. Introduced in notebooks/09-model-parallel.ipynb."""
+def check_schedules(rank, world_size, x, y, *, split=4, micro_counts=(1, 2, 4), seed=0, lr=0.1):
+    """{(kind, M): gradient vs unsplit}, and a training step's weights. Introduced in notebooks/09-model-parallel.ipynb."""
+    devices = stages.plan_stages(2).devices
     with full_fp32():
-        ref, model = split_pair(split, seed, stages.plan_stages(2).devices)
-        F.cross_entropy(ref(x.to(rank_device())), y.to(rank_device())).backward()
+        ref, model = split_pair(split, seed, devices)
+        F.cross_entropy(ref(x.to(devices[0])), y.to(devices[0])).backward()
         ref_grads = {k: p.grad.detach().cpu() for k, p in ref.named_parameters()}
         diffs = {}
-        for kind in schedules.KINDS:
+        for kind in KINDS:
             for m in micro_counts:
                 model.zero_grad(set_to_none=True)
                 pipeline_step(model, x, y, m, kind)
-                diffs[(kind, m)] = max_param_diff(ref_grads, model.convnet_state(grads=True))
-    return diffs
-
-
-def sweep_micro_batches(rank, world_size, x, y, *, split=4, micro_counts=(1, 2, 4, 8), kind="gpipe", rounds=5,
-                        seed=0, timeline_micro=4):
-    """Step times per M, stage times. Introduced in notebooks/09-model-parallel.ipynb."""
-    # the stage times come from the same devices as the steps, so "perfect pipeline" and measurement compare
-    model = split_pair(split, seed, stages.plan_stages(2).devices)[1]
-    d0, d1 = model.devices
-    x, y = x.to(d0), y.to(d1)  # once: a copy from pageable CPU memory would stall the host every micro-batch
-
-    def step(m):
-        def run():
-            model.zero_grad(set_to_none=True)
-            pipeline_step(model, x, y, m, kind)
-            sync(d0), sync(d1)
-        return run
-
-    times = compare({m: step(m) for m in micro_counts}, device=d1, rounds=rounds)
-    with torch.no_grad():
-        h = model.stage0(x)
-    stage_seconds = [stages.stage_seconds(model.stage0, x, None, d0, rounds),
-                     stages.stage_seconds(model.stage1, h, y, d1, rounds)]
-    clock = []
-    pipeline_step(model, x, y, timeline_micro, kind, clock=clock)
-    return {"times": {m: t["all"] for m, t in times.items()}, "stage_seconds": stage_seconds, "timeline": clock}
+                diffs[(kind, m)] = max((ref_grads[k] - g).abs().max().item()
+                                       for k, g in model.convnet_state(grads=True).items())
+        torch.optim.SGD(ref.parameters(), lr=lr).step()
+        opt = torch.optim.SGD(model.parameters(), lr=lr)  # one step of training, split: the same recipe
+        opt.zero_grad(set_to_none=True)
+        pipeline_step(model, x, y, max(micro_counts), "1f1b")
+        opt.step()
+        step_diff = max((ref.get_parameter(k).detach().cpu() - w).abs().max().item()
+                        for k, w in model.convnet_state().items())
+    return {"diffs": diffs, "step_diff": step_diff}
 # ---- end of export from notebooks/09-model-parallel.ipynb ----
 
 

@@ -15,13 +15,13 @@ from typing import NamedTuple
 
 from .checks import positive_int
 
-KINDS = ("gpipe", "1f1b")
-
+# KINDS and programs (the GPipe and 1F1B orders) are written in notebooks/09-model-parallel.ipynb and exported into
+# the region at the end of this file.
 
 class Slot(NamedTuple):
     """One pass of one micro-batch on one stage, with its start and end time.
 
-    Introduced in notebooks/09-model-parallel.ipynb.
+    Machinery behind simulate's timelines; no notebook calls it directly.
     """
 
     stage: int
@@ -39,31 +39,6 @@ def bubble_fraction(n_stages: int, n_micro: int) -> float:
     positive_int("n_stages", n_stages)
     positive_int("n_micro", n_micro)
     return (n_stages - 1) / (n_micro + n_stages - 1)
-
-
-def programs(kind: str, n_stages: int, n_micro: int) -> list[list[tuple[str, int]]]:
-    """Each stage's order of passes: GPipe (all forwards, then all backwards) or 1F1B.
-
-    1F1B: stage s runs S−1−s forwards to fill the pipe, then alternates one
-    forward and one backward, then drains the remaining backwards.
-    Introduced in notebooks/09-model-parallel.ipynb.
-    """
-    positive_int("n_stages", n_stages)
-    positive_int("n_micro", n_micro)
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    progs = []
-    for s in range(n_stages):
-        if kind == "gpipe":
-            prog = [("F", i) for i in range(n_micro)] + [("B", i) for i in range(n_micro)]
-        else:
-            warm = min(n_stages - 1 - s, n_micro)
-            prog = [("F", i) for i in range(warm)]
-            for i in range(n_micro - warm):
-                prog += [("F", warm + i), ("B", i)]
-            prog += [("B", i) for i in range(n_micro - warm, n_micro)]
-        progs.append(prog)
-    return progs
 
 
 def _per_stage(value, n_stages: int) -> list[float]:
@@ -127,7 +102,7 @@ def idle_fraction(slots: list[Slot]) -> float:
 def in_flight(slots: list[Slot]) -> list[int]:
     """Per stage, the most micro-batches whose activations it holds at once (forward done, backward not).
 
-    Introduced in notebooks/09-model-parallel.ipynb.
+    Machinery behind the schedule tests (09 reads the same count off each program); no notebook calls it directly.
     """
     n_stages = 1 + max(t.stage for t in slots)
     peaks = []
@@ -196,7 +171,7 @@ def sweep_rows(times: dict, stage_seconds, cost_s: float | None = None) -> list[
     """One row per micro-batch count M from its timed steps (seconds): ms median, min, max, quartiles, the bubble,
     and the step a perfect pipeline would take from ``stage_seconds`` (plus ``cost_s`` per micro-batch, if given).
 
-    Introduced in notebooks/09-model-parallel.ipynb.
+    Introduced in notebooks/10-pipelines.ipynb.
     """
     rows = []
     for m in sorted(times):
@@ -213,7 +188,7 @@ def sweep_rows(times: dict, stage_seconds, cost_s: float | None = None) -> list[
 def print_rows(rows: list[dict]) -> None:
     """The rows of ``sweep_rows`` as a table.
 
-    Introduced in notebooks/09-model-parallel.ipynb.
+    Introduced in notebooks/10-pipelines.ipynb.
     """
     cost = "with_cost" in rows[0]
     print(f"{'M':>3} {'step ms':>8} {'min–max':>15} {'bubble':>7} {'perfect':>8}" + (f" {'+ cost':>8}" if cost else ""))
@@ -225,7 +200,7 @@ def print_rows(rows: list[dict]) -> None:
 def plot_sweep(rows: list[dict], title: str):
     """Measured step time per M (median, quartiles) beside the perfect pipeline and the bubble fraction.
 
-    Introduced in notebooks/09-model-parallel.ipynb.
+    Introduced in notebooks/10-pipelines.ipynb.
     """
     import matplotlib.pyplot as plt
 
@@ -248,3 +223,26 @@ def plot_sweep(rows: list[dict], title: str):
     fig.legend(loc="lower center", ncol=2, fontsize="small")
     fig.tight_layout(rect=(0, 0.16, 1, 1))
     return fig
+
+
+# ---- exported from notebooks/09-model-parallel.ipynb: edit it there, then run `make export` ----
+KINDS = ("gpipe", "1f1b")
+
+
+def programs(kind, n_stages, n_micro):
+    """Each stage's order of passes, [("F", 0), ...]: GPipe or 1F1B. Introduced in notebooks/09-model-parallel.ipynb."""
+    if kind not in KINDS or n_stages < 1 or n_micro < 1:
+        raise ValueError(f"need a kind in {KINDS} and counts ≥ 1, got {kind!r}, {n_stages}, {n_micro}")
+    progs = []
+    for s in range(n_stages):
+        if kind == "gpipe":
+            prog = [("F", i) for i in range(n_micro)] + [("B", i) for i in range(n_micro)]
+        else:
+            warm = min(n_stages - 1 - s, n_micro)  # forwards that fill the pipe
+            prog = [("F", i) for i in range(warm)]
+            for i in range(n_micro - warm):
+                prog += [("F", warm + i), ("B", i)]
+            prog += [("B", i) for i in range(n_micro - warm, n_micro)]  # drain
+        progs.append(prog)
+    return progs
+# ---- end of export from notebooks/09-model-parallel.ipynb ----

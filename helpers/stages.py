@@ -37,7 +37,7 @@ def convnet_layers(net: ConvNet) -> list[tuple[str, nn.Module]]:
 def split_names(net: ConvNet | None = None) -> dict[int, str]:
     """Every valid split index k (stage 0 = layers[:k]) with a readable name: 'after layer1.3 | before layer2.0'.
 
-    Introduced in notebooks/09-model-parallel.ipynb.
+    Introduced in notebooks/10-pipelines.ipynb.
     """
     names = [n for n, _ in convnet_layers(net or ConvNet(batch_norm=False))]
     return {k: f"after {names[k - 1]} | before {names[k]}" for k in range(1, len(names))}
@@ -175,37 +175,6 @@ def stage_memory(model, x: torch.Tensor) -> list[dict]:
                      "param_bytes": sum(p.numel() * p.element_size() for p in params), "activation_bytes": act,
                      "output_bytes": h.numel() * h.element_size()})
     return rows
-
-
-def measured_memory(model, x: torch.Tensor) -> dict | None:
-    """Bytes each GPU of a ``TwoStage`` gains in a forward pass (activations kept for backward); None on the CPU.
-
-    Introduced in notebooks/09-model-parallel.ipynb.
-    """
-    gpus = sorted({d for d in model.devices if d.type == "cuda"}, key=str)
-    if not gpus:
-        return None
-    for d in gpus:
-        sync(d)
-    before = {d: torch.cuda.memory_allocated(d) for d in gpus}
-    out = model(x)
-    after = {str(d): torch.cuda.memory_allocated(d) - before[d] for d in gpus}
-    del out
-    return after
-
-
-def wrong_labels_error(model, x: torch.Tensor, y: torch.Tensor) -> str | None:
-    """The first line of the error that labels left on stage 0's device give; None when both stages share one.
-
-    Introduced in notebooks/09-model-parallel.ipynb.
-    """
-    if model.devices[0] == model.devices[1]:
-        return None
-    try:
-        F.cross_entropy(model(x), y.to(model.devices[0]))
-    except RuntimeError as e:
-        return str(e).splitlines()[0]
-    return "no error?"
 
 
 def stage_seconds(stage: nn.Module, inputs: torch.Tensor, target: torch.Tensor | None, device,
