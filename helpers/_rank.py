@@ -108,10 +108,14 @@ def _to_cpu(obj):
 HINTS = [
     (("re-initialize CUDA in forked subprocess",),
      "restart the kernel and keep every CUDA call inside the launched function."),
-    (("CUDA error: initialization error",),
+    # a child forked after the parent's CUDA driver woke up: cudaGetDeviceCount fails (c10/cuda/CUDAFunctions.cpp),
+    # or the first CUDA call does; on a GPU machine, a parent's backward also left autograd's device threads
+    # behind (torch/csrc/autograd/engine.cpp, Engine::start_device_threads), and a child's backward refuses
+    (("CUDA error: initialization error", "CUDA driver initialization failed, you might not have a CUDA gpu",
+      "Unable to handle autograd's threading in combination with fork-based multiprocessing"),
      "the notebook's process probably ran a backward pass (autograd) before forking, which leaves forked children "
-     "unable to start CUDA. Restart the kernel and run all training inside the launched function (launch(fn, 1) "
-     "for one process)."),
+     "unable to start CUDA, or to run backward on a machine with GPUs. Restart the kernel and run all training "
+     "inside the launched function (launch(fn, 1) for one process)."),
     (("driver version is insufficient",),
      "the NVIDIA driver is older than torch's CUDA build; see helpers.devices.driver_check()."),
     (("Duplicate GPU",), "NCCL needs one GPU per rank; use backend='gloo' or fewer ranks."),
@@ -178,8 +182,8 @@ def child_main(fn, rank, world_size, args, plan, port, queue, stack_file, result
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     code = 0
     try:
-        device = _DEVICE = plan.devices[rank]
-        if device.type == "cuda":
+        device = _DEVICE = plan.devices[rank]  # rank_device() answers it, with or without init
+        if init and device.type == "cuda":  # init=False: fn binds its own device, as a torchrun script does
             torch.cuda.set_device(device)
         if init:
             # NCCL wants to know its device up front (else barrier() warns and guesses)

@@ -135,11 +135,13 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, backend: str | No
            stop=None, max_world_size: int | None = None) -> LaunchResult:
     """Fork ``world_size`` ranks running ``fn(rank, world_size, *args)``; return their results.
 
-    Each rank gets the device ``helpers.devices.plan`` gives it (with
-    ``torch.cuda.set_device``), the env vars torchrun would set, and, when
-    ``init``, an initialised process group; with ``init=False`` ``fn`` calls
-    ``init_process_group`` itself, as a torchrun script does. Results come
-    back as a list indexed by rank, tensors moved to the CPU.
+    Each rank gets the env vars torchrun would set and, when ``init``, its
+    planned device (``helpers.devices.plan``, bound with
+    ``torch.cuda.set_device``) and an initialised process group. With
+    ``init=False`` ``fn`` does both itself, as a torchrun script does:
+    launch binds no device (``rank_device()`` still names the planned one),
+    so a rank that uses other GPUs opens no context on the planned one.
+    Results come back as a list indexed by rank, tensors moved to the CPU.
 
     Each rank runs with ONE torch thread. This is not a tuning choice: a rank
     forked after the notebook has used torch's CPU thread pool hangs forever

@@ -129,3 +129,28 @@ def test_a_dataloader_worker_killed_by_a_bus_error_gets_the_shared_memory_fix():
         launch(bus_error_rank, 1, **QUIET)
     text = str(info.value)
     assert "Bus error" in text and "--shm-size" in text and "/dev/shm" in text
+
+
+# ---- what a poisoned fork really prints (issue 26.21): each gets the backward-pass fix ----
+
+POISONED_FORK = {
+    # c10/cuda/CUDAFunctions.cpp: cudaGetDeviceCount fails with cudaErrorInitializationError in the child
+    "libc10_cuda.so": "CUDA driver initialization failed, you might not have a CUDA gpu.",
+    # torch/csrc/autograd/engine.cpp: a backward in a child forked after the parent started autograd's GPU threads
+    "libtorch_cpu.so": "Unable to handle autograd's threading in combination with fork-based multiprocessing. "
+                       "See https://github.com/pytorch/pytorch/wiki/Autograd-and-Fork",
+}
+
+
+@pytest.mark.parametrize("library", POISONED_FORK)
+def test_a_poisoned_fork_s_own_words_get_the_backward_fix(library):
+    from helpers._rank import _hint
+
+    message = POISONED_FORK[library]
+    path = Path(torch.__file__).parent / "lib" / library
+    if path.is_file():  # the words are torch's: the installed binary holds them (a CPU-only build has no c10_cuda)
+        import mmap
+
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            assert m.find(message.encode()) >= 0, f"{library} no longer says {message!r}"
+    assert "backward pass" in _hint(RuntimeError(message))

@@ -442,3 +442,19 @@ def test_the_progress_bar_counts_the_steps_done():
     w.handle(("event", 0, {"step": 11, "total": 10}))  # one report too many never shows 11/10 ("11/?")
     assert (w.bar.n, w.bar.total) == (10, 10)
     w.close()
+
+
+def planned_device_and_bound(rank, world_size):
+    return str(L.rank_device()), bound  # `bound` lists the set_device calls made in this rank
+
+
+bound = []
+
+
+def test_init_false_binds_no_device_but_names_the_planned_one(monkeypatch):
+    """With init=False fn sets up its own devices (a hybrid rank using several GPUs): launch opens no context."""
+    monkeypatch.setattr(L.devices, "_usable", lambda: (2, None))  # the plan puts rank r on cuda:r
+    monkeypatch.setattr(L, "cuda_canary", lambda device: None)  # there is no driver here to start
+    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
+    out = L.launch(planned_device_and_bound, 2, init=False, progress=False, quiet=True)
+    assert out == [("cuda:0", []), ("cuda:1", [])]
