@@ -150,7 +150,8 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, backend: str | No
 
     Failures raise in the cell after every rank is killed: ``RankFailed``
     (a rank raised or died; its traceback is shown), ``RankTimeout`` (not
-    done after ``timeout`` seconds; each stuck rank's stack is shown),
+    done after ``timeout`` seconds; each stuck rank's stack is shown, and
+    over NCCL between GPUs ``devices.nccl_p2p_hint()``),
     ``CudaInitialized`` (refused before forking; ``CudaPoisoned`` when a
     forked canary cannot start CUDA, the trace of a backward pass in this
     process), ``helpers.Stopped`` (the ``stop`` event was set: a panel's Stop
@@ -194,6 +195,13 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, backend: str | No
                 procs.append(proc)
         _supervise(procs, events, watcher, start, timeout, stack_files, stop)
         return LaunchResult(watcher.results, plan, port, time.perf_counter() - start)
+    except RankTimeout as e:
+        e.port = port
+        if plan.backend == "nccl" and len({d for d in plan.devices if d.type == "cuda"}) >= 2:
+            # NCCL between GPUs that report peer-to-peer access they do not have waits forever on its first
+            # collective: the timeout is the only symptom
+            e.args = (f"{e.args[0]}\n{devices.nccl_p2p_hint()}",)
+        raise
     except LaunchError as e:
         e.port = port
         raise

@@ -458,3 +458,19 @@ def test_init_false_binds_no_device_but_names_the_planned_one(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", bound.append)
     out = L.launch(planned_device_and_bound, 2, init=False, progress=False, quiet=True)
     assert out == [("cuda:0", []), ("cuda:1", [])]
+
+
+def hangs(rank, world_size):
+    time.sleep(60)
+
+
+@pytest.mark.parametrize("gpus, hinted", [(2, True), (0, False)])
+def test_a_timeout_over_nccl_between_gpus_names_the_peer_to_peer_fix(monkeypatch, gpus, hinted):
+    """NCCL ranks on GPUs that claim peer access they lack wait forever: the RankTimeout says what to try."""
+    monkeypatch.setattr(L.devices, "_usable", lambda: (gpus, None))  # 2: the plan is NCCL, rank r on cuda:r
+    monkeypatch.setattr(L, "cuda_canary", lambda device: None)  # there is no driver here to start
+    monkeypatch.setattr(L.devices, "nccl_p2p_hint", lambda: "try NCCL_P2P_DISABLE=1")
+    with pytest.raises(L.RankTimeout) as info:  # init=False: no NCCL group is built on this CPU
+        L.launch(hangs, 2, init=False, timeout=1, progress=False, quiet=True)
+    assert ("NCCL_P2P_DISABLE" in str(info.value)) == hinted
+    assert "did not finish in time" in str(info.value)
