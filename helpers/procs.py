@@ -54,8 +54,9 @@ def call_in_child(fn, *args, timeout: float = 60.0, name: str = "child"):
     own errors and return them: a child that raises, or returns something
     unpicklable, ends without answering (``ChildDied``); one still busy after
     ``timeout`` seconds is killed (``TimeoutError``). The child leaves with
-    ``os._exit``, never through a notebook kernel's exit handlers.
-    Machinery behind launch's CUDA canary; no notebook calls it directly.
+    ``os._exit``, never through a notebook kernel's exit handlers. It is also
+    behind launch's CUDA canary.
+    Introduced in notebooks/05-launching-from-a-notebook.ipynb.
     """
     import multiprocessing as mp
 
