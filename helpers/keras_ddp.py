@@ -142,7 +142,7 @@ def get_model(dropout: float = 0.5, seed: int = 0):
 
 
 def keras_steps(rank, world_size, dataset, steps, batch_size, lr, *, training=True, dropout=0.5, seed=0,
-                warmup=0, epochs=1, use_ddp=True, save_to=None, device=None):
+                warmup=0, epochs=1, use_ddp=True, save_to=None, device=None, optimizer="adam"):
     """The guide's model and torch loop under DDP; returns weights, moving statistics, losses, samples/s.
 
     Introduced in notebooks/18-keras-on-torch.ipynb.
@@ -158,7 +158,7 @@ def keras_steps(rank, world_size, dataset, steps, batch_size, lr, *, training=Tr
         sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
                                      drop_last=True)
         loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
-        opt = torch.optim.Adam(net.parameters(), lr=lr)  # requires_grad=False parameters get no gradients
+        opt = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}[optimizer](net.parameters(), lr=lr)  # trainable only
         kwargs = {} if training is None else {"training": training}
         losses, step, start = [], 0, clock(device)
         for epoch in range(epochs):

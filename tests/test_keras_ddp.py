@@ -117,11 +117,11 @@ def test_save_atomic_refuses_another_suffix(tmp_path):
 
 
 def test_two_ranks_in_the_guides_mode_match_one_process_on_the_global_batch(images):
-    fn = functools.partial(K.keras_steps, training=None, dropout=0.0)
-    out = launch(fn, 2, images, 4, 16, 1e-3, quiet=True, progress=False)
-    ref = launch(functools.partial(fn, use_ddp=False), 1, images, 4, 32, 1e-3, quiet=True, progress=False)[0]
+    fn = functools.partial(K.keras_steps, training=None, dropout=0.0, optimizer="sgd")
+    out = launch(fn, 2, images, 4, 16, 0.05, quiet=True, progress=False)
+    ref = launch(functools.partial(fn, use_ddp=False), 1, images, 4, 32, 0.05, quiet=True, progress=False)[0]
     assert max_param_diff(out[0]["params"], out[1]["params"]) == 0
-    assert max_param_diff(out[0]["params"], ref["params"]) < 1e-4
+    assert max_param_diff(out[0]["params"], ref["params"]) < 1e-5  # SGD passes float32 reordering on linearly
     assert abs(sum(o["losses"][0] for o in out) / 2 - ref["losses"][0]) < 1e-5
     # model(x) without training=True: BatchNormalization never updates its moving statistics
     assert all((v == 0).all() for k, v in out[0]["moving"].items() if "moving_mean" in k)
