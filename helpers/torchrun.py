@@ -34,7 +34,8 @@ def torchrun_command(script_args, *, nproc: int = 1, nnodes: int = 1, node_rank:
 
     One node and no ``endpoint``: ``--standalone`` (torchrun picks a free port).
     Otherwise ``endpoint`` is host:port of the rendezvous: with ``rdzv="c10d"``
-    node ranks follow the order the nodes join in; with ``rdzv="static"`` the
+    the agents are ranked by sorting them by host name, then process id (not by
+    join order; ``--node-rank`` is ignored); with ``rdzv="static"`` the
     ``--node_rank`` given is kept (``--master-addr/--master-port``).
     Introduced in notebooks/13-torchrun-and-clusters.ipynb.
     """
