@@ -2,7 +2,7 @@
 
 The functions are written in notebooks/04-ddp.ipynb, where a learner reads and changes them; the region
 below is exported from there (``make export``). Later notebooks, ``scripts/`` and the tests import them from
-here. Above the region: only the argument checks, which are machinery.
+here. Above the region: machinery only (the argument checks, the drawing of a profiled step).
 """
 
 from __future__ import annotations
@@ -35,6 +35,37 @@ def check_steps(dataset, world_size: int, batch_size: int, steps: int, lr: float
                          "use a smaller batch")
 
 
+STEP_COLORS = {"forward": "#bbbbbb", "backward": "#6b9bd8", "all-reduce": "#e8923a", "step": "#5aa55a"}
+
+
+def plot_step_timeline(timelines: dict, title: str = "bucket_cap_mb={}: {} bucket(s)"):
+    """Draw profiled DDP steps side by side: per rank, a compute row and a communication row.
+
+    ``timelines`` maps a label (a ``bucket_cap_mb``) to every rank's spans ``(lane, start_ms, end_ms)``, lanes
+    named as in ``STEP_COLORS``; a ``"call"`` span (a rank asking for an all-reduce) counts a bucket and is not
+    drawn. Returns the figure.
+    Introduced in notebooks/04-ddp.ipynb.
+    """
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(timelines), figsize=(6 * len(timelines), 2.8), sharey=True, squeeze=False)
+    world_size = len(next(iter(timelines.values())))
+    for ax, (label, ranks) in zip(axes[0], timelines.items()):
+        t0 = min(s for spans in ranks for _, s, _ in spans)
+        for rank, spans in enumerate(ranks):
+            for lane, s, e in spans:
+                if lane in STEP_COLORS:
+                    row = 2 * rank + (lane != "all-reduce")
+                    ax.broken_barh([(s - t0, e - s)], (row - 0.35, 0.7), color=STEP_COLORS[lane])
+        ax.set_title(title.format(label, sum(lane == "call" for lane, *_ in ranks[0])))
+        ax.set_xlabel("ms since the step began")
+    axes[0][0].set_yticks(range(2 * world_size),
+                          [f"rank {r} {lane}" for r in range(world_size) for lane in ("comm", "compute")])
+    axes[0][-1].legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in STEP_COLORS.values()],
+                       labels=list(STEP_COLORS), loc="upper left", bbox_to_anchor=(1, 1))
+    return fig
+
+
 # ---- exported from notebooks/04-ddp.ipynb: edit it there, then run `make export` ----
 def shard_sampler(dataset, rank: int, world_size: int, seed: int = 0) -> DistributedSampler:
     """Rank ``rank``'s share of a seeded shuffle.
@@ -54,7 +85,7 @@ def batches(sampler, loader):
         yield from loader
 
 
-def train_steps(model, sampler, loader, optimizer, device, steps: int, *, warmup: int = 0):
+def train_steps(model, sampler, loader, optimizer, device, steps: int, *, warmup: int = 0, live: bool = False):
     """``warmup`` untimed steps, then ``steps`` timed: (losses, samples/s).
 
     Introduced in notebooks/04-ddp.ipynb.
@@ -70,14 +101,17 @@ def train_steps(model, sampler, loader, optimizer, device, steps: int, *, warmup
         loss.backward()  # under DDP, the gradients are averaged across ranks in here
         optimizer.step()
         if step >= warmup:
-            losses.append(loss.item())
-            report(step=len(losses), total=steps, loss=losses[-1])  # the notebook draws the progress bar
+            losses.append(loss.detach())  # on the device: reading it now would wait for the step to finish
+            if live:
+                report(step=len(losses), total=steps, loss=loss)  # reads the loss: this step waits
     sync(device)
-    return losses, steps * loader.batch_size / (time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    return torch.stack(losses).tolist(), steps * loader.batch_size / seconds
 
 
 def ddp_steps(rank: int, world_size: int, dataset, steps: int, batch_size: int, lr: float, *,
-              batch_norm: bool = False, seed: int = 0, warmup: int = 0, tf32: bool = False) -> dict:
+              batch_norm: bool = False, seed: int = 0, warmup: int = 0, tf32: bool = False,
+              live: bool = False) -> dict:
     """A DDP ConvNet trained ``steps`` steps of ``batch_size`` per rank.
 
     Introduced in notebooks/04-ddp.ipynb.
@@ -91,7 +125,7 @@ def ddp_steps(rank: int, world_size: int, dataset, steps: int, batch_size: int, 
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr, momentum=0.9)
     with contextlib.nullcontext() if tf32 else full_fp32():
-        losses, rate = train_steps(ddp_model, sampler, loader, optimizer, device, steps, warmup=warmup)
+        losses, rate = train_steps(ddp_model, sampler, loader, optimizer, device, steps, warmup=warmup, live=live)
     return {"params": {k: v.detach() for k, v in model.state_dict().items()}, "losses": losses, "samples_per_s": rate}
 
 
