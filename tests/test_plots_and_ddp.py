@@ -137,3 +137,25 @@ def test_free_port_and_prewarm():
     assert 1024 <= free_port() < 65536
     prewarm()
     assert prewarm() < 0.5, "the second call finds everything imported"
+
+
+def test_the_timed_loop_reports_only_when_live_and_reads_losses_after_the_clock():
+    """No report (a device wait) inside the timed steps unless live=True; the losses come back as floats either way."""
+    data, events = toy_set(), []
+    quiet = dict(quiet=True, progress=False, on_event=lambda rank, metrics: events.append((rank, metrics)))
+    out = launch(ddp.ddp_steps, 2, data, 3, 16, 0.1, **quiet)
+    assert events == [] and all(isinstance(loss, float) for loss in out[0]["losses"])
+    live = launch(functools.partial(ddp.ddp_steps, live=True), 2, data, 3, 16, 0.1, **quiet)
+    rank0 = [m for rank, m in events if rank == 0]
+    assert [m["step"] for m in rank0] == [1, 2, 3] and [m["total"] for m in rank0] == [3, 3, 3]
+    assert [m["loss"] for m in rank0] == live[0]["losses"] == out[0]["losses"]
+
+
+def test_the_step_timeline_draws_a_panel_per_setting_and_counts_buckets():
+    spans = [("forward", 0.0, 1.0), ("backward", 1.0, 3.0), ("call", 3.0, 3.1), ("all-reduce", 3.0, 4.0),
+             ("step", 4.0, 4.5)]
+    fig = ddp.plot_step_timeline({None: [spans, spans], 0.02: [spans + [("call", 2.0, 2.1)], spans]})
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == ["bucket_cap_mb=None: 1 bucket(s)", "bucket_cap_mb=0.02: 2 bucket(s)"]
+    assert len(fig.axes[0].collections) == 2 * 4, "four drawn lanes a rank, 'call' not drawn"
+    matplotlib.pyplot.close(fig)
