@@ -33,7 +33,7 @@ from torch.utils.data import DistributedSampler
 from . import devices
 from ._rank import rank_device, report
 from .checks import positive_int, positive_number
-from .train import full_fp32, sync
+from .train import full_fp32
 
 
 def keras_torch():
@@ -106,128 +106,6 @@ def check_sizes(dataset, world_size: int, batch_size: int, steps: int, lr: float
                          "samples; use fewer steps or a smaller batch")
 
 
-def clock(device) -> float:
-    """``time.perf_counter()`` after the device's queued work is done, so a clock read is honest.
-
-    Introduced in notebooks/18-keras-on-torch.ipynb.
-    """
-    sync(device)
-    return time.perf_counter()
-
-
-# ---- exported from notebooks/18-keras-on-torch.ipynb: edit it there, then run `make export` ----
-def get_model(dropout: float = 0.5, seed: int = 0):
-    """The Keras guide's convnet for (28, 28, 1) images; the same seed gives the same weights.
-
-    Introduced in notebooks/18-keras-on-torch.ipynb.
-    """
-    keras = keras_torch()
-    layers = keras.layers
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input(shape=(28, 28, 1))
-    x = layers.Conv2D(filters=12, kernel_size=3, padding="same", use_bias=False, name="conv1")(inputs)
-    x = layers.BatchNormalization(scale=False, center=True, name="bn1")(x)
-    x = layers.ReLU()(x)
-    x = layers.Conv2D(filters=24, kernel_size=6, use_bias=False, strides=2, name="conv2")(x)
-    x = layers.BatchNormalization(scale=False, center=True, name="bn2")(x)
-    x = layers.ReLU()(x)
-    x = layers.Conv2D(filters=32, kernel_size=6, padding="same", strides=2, name="large_k")(x)
-    x = layers.BatchNormalization(scale=False, center=True, name="bn3")(x)
-    x = layers.ReLU()(x)
-    x = layers.GlobalAveragePooling2D()(x)
-    x = layers.Dense(256, activation="relu", name="dense")(x)
-    x = layers.Dropout(dropout)(x)
-    outputs = layers.Dense(10, name="logits")(x)
-    return keras.Model(inputs, outputs)
-
-
-def keras_steps(rank, world_size, dataset, steps, batch_size, lr, *, training=True, dropout=0.5, seed=0,
-                warmup=0, epochs=1, use_ddp=True, save_to=None, device=None, optimizer="adam"):
-    """The guide's model and torch loop under DDP; returns weights, moving statistics, losses, samples/s.
-
-    Introduced in notebooks/18-keras-on-torch.ipynb.
-    """
-    check_sizes(dataset, world_size, batch_size, steps + warmup, lr, epochs)
-    if not use_ddp and world_size != 1:
-        raise ValueError(f"use_ddp=False is the one-process reference: launch it with world_size=1, not {world_size}")
-    keras = keras_torch()
-    device = torch.device(device) if device is not None else rank_device()
-    with full_fp32(), keras.device(str(device)):  # Keras's own default device would be "cuda" wherever one exists
-        model = get_model(dropout, seed).to(device)
-        net = DDP(model, device_ids=[device] if device.type == "cuda" else None) if use_ddp else model
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
-                                     drop_last=True)
-        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
-        opt = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}[optimizer](net.parameters(), lr=lr)  # trainable only
-        kwargs = {} if training is None else {"training": training}
-        losses, step, start = [], 0, clock(device)
-        for epoch in range(epochs):
-            sampler.set_epoch(epoch)  # a fresh shuffle per epoch, the same on every rank
-            for x, y in itertools.islice(loader, steps + (warmup if epoch == 0 else 0)):
-                if step == warmup:
-                    start = clock(device)
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                loss = F.cross_entropy(net(x, **kwargs), y)
-                opt.zero_grad()
-                loss.backward()  # DDP all-reduces the gradients here
-                opt.step()
-                if step >= warmup:
-                    losses.append(loss.item())
-                    report(step=len(losses), total=steps * epochs, loss=losses[-1])
-                step += 1
-        seconds = clock(device) - start
-        if save_to is not None and rank == 0:
-            save_atomic(model, save_to)
-        return {"params": weights(model, True), "moving": weights(model, False), "losses": losses,
-                "samples_per_s": len(losses) * batch_size / seconds,
-                "saved": str(save_to) if rank == 0 and save_to else None}
-
-
-def broadcast_probe(rank, world_size, dataset, batch_size, *, seed=0):
-    """Rank r writes r + 1 into a moving mean and a bias, wraps in DDP, steps; both values after each.
-
-    Introduced in notebooks/18-keras-on-torch.ipynb.
-    """
-    check_sizes(dataset, world_size, batch_size, 1, 1.0)
-    keras = keras_torch()
-    device = rank_device()
-    with full_fp32(), keras.device(str(device)):
-        model = get_model(0.0, seed).to(device)
-        by_path = {v.path: v for v in model.variables}
-        moving, bias = by_path["bn1/moving_mean"], by_path["logits/bias"]
-        for v in (moving, bias):
-            v.assign(torch.full(tuple(v.shape), rank + 1.0))
-        net = DDP(model, device_ids=[device] if device.type == "cuda" else None)
-        seen = {"wrapped": (moving.value[0].item(), bias.value[0].item())}
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, drop_last=True)
-        x, y = next(iter(DataLoader(dataset, batch_size=batch_size, sampler=sampler)))
-        F.cross_entropy(net(x.to(device), training=True), y.to(device)).backward()
-        torch.optim.SGD(net.parameters(), lr=0.1).step()
-        seen["stepped"] = (moving.value[0].item(), bias.value[0].item())
-        return seen
-
-
-def fit_rank(rank, world_size, dataset, steps, batch_size, lr, *, seed=0):
-    """Keras's ``model.fit`` in a DDP rank: the weights after ``steps`` steps on this rank's shard.
-
-    Introduced in notebooks/18-keras-on-torch.ipynb.
-    """
-    check_sizes(dataset, world_size, batch_size, steps, lr)
-    keras = keras_torch()
-    device = rank_device()
-    with full_fp32(), keras.device(str(device)):
-        model = get_model(0.0, seed).to(device)
-        ddp_model = DDP(model, device_ids=[device] if device.type == "cuda" else None)
-        model.compile(optimizer=keras.optimizers.SGD(lr),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
-                                     drop_last=True)
-        idx = list(sampler)[: steps * batch_size]
-        x, y = (t[idx].numpy() for t in dataset.tensors)
-        model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
-        return {"params": weights(model, True), "has_fit": hasattr(ddp_model, "fit")}
-
-
 def guide_rank(current_gpu_index, num_gpus, dataset, port, results, steps=8, batch_size=64, fail_rank=None,
                hang_rank=None):
     """The guide's ``per_device_launch_fn``; ``fail_rank`` raises, ``hang_rank`` sleeps an hour.
@@ -251,4 +129,99 @@ def guide_rank(current_gpu_index, num_gpus, dataset, port, results, steps=8, bat
     results[current_gpu_index] = out["losses"][-1]
     dist.destroy_process_group()
     sys.stdout.flush()
+
+
+# ---- exported from notebooks/18-keras-on-torch.ipynb: edit it there, then run `make export` ----
+def get_model(dropout: float = 0.5, seed: int = 0):
+    """The Keras guide's convnet; the seed fixes the weights. Introduced in notebooks/18-keras-on-torch.ipynb."""
+    keras = keras_torch()
+    layers = keras.layers
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input(shape=(28, 28, 1))
+    x = layers.Conv2D(filters=12, kernel_size=3, padding="same", use_bias=False, name="conv1")(inputs)
+    x = layers.BatchNormalization(scale=False, center=True, name="bn1")(x)
+    x = layers.ReLU()(x)
+    x = layers.Conv2D(filters=24, kernel_size=6, use_bias=False, strides=2, name="conv2")(x)
+    x = layers.BatchNormalization(scale=False, center=True, name="bn2")(x)
+    x = layers.ReLU()(x)
+    x = layers.Conv2D(filters=32, kernel_size=6, padding="same", strides=2, name="large_k")(x)
+    x = layers.BatchNormalization(scale=False, center=True, name="bn3")(x)
+    x = layers.ReLU()(x)
+    x = layers.GlobalAveragePooling2D()(x)
+    x = layers.Dense(256, activation="relu", name="dense")(x)
+    x = layers.Dropout(dropout)(x)
+    outputs = layers.Dense(10, name="logits")(x)
+    return keras.Model(inputs, outputs)
+
+
+def keras_steps(rank, world_size, dataset, steps, batch_size, lr, *, training=True, dropout=0.5, seed=0,
+                epochs=1, use_ddp=True, save_to=None, device=None, optimizer="adam"):
+    """The guide's model and torch loop under DDP. Introduced in notebooks/18-keras-on-torch.ipynb."""
+    check_sizes(dataset, world_size, batch_size, steps, lr, epochs)
+    if not use_ddp and world_size != 1:
+        raise ValueError(f"use_ddp=False needs world_size=1, not {world_size}")
+    keras = keras_torch()
+    device = torch.device(device) if device is not None else rank_device()
+    with full_fp32(), keras.device(str(device)):  # Keras's own default device would be "cuda" wherever one exists
+        model = get_model(dropout, seed).to(device)
+        net = DDP(model, device_ids=[device] if device.type == "cuda" else None) if use_ddp else model
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
+                                     drop_last=True)
+        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
+        opt = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}[optimizer](net.parameters(), lr=lr)  # trainable only
+        kwargs = {} if training is None else {"training": training}
+        losses = []
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)  # a fresh shuffle per epoch, the same on every rank
+            for x, y in itertools.islice(loader, steps):
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                loss = F.cross_entropy(net(x, **kwargs), y)
+                opt.zero_grad()
+                loss.backward()  # DDP all-reduces the gradients here
+                opt.step()
+                losses.append(loss.item())
+                report(step=len(losses), total=steps * epochs, loss=losses[-1])
+        if save_to is not None and rank == 0:
+            save_atomic(model, save_to)
+        return {"params": weights(model, True), "moving": weights(model, False), "losses": losses,
+                "saved": str(save_to) if rank == 0 and save_to else None}
+
+
+def broadcast_probe(rank, world_size, dataset, batch_size, *, seed=0):
+    """Moving mean and bias after DDP(...) and after a step. Introduced in notebooks/18-keras-on-torch.ipynb."""
+    check_sizes(dataset, world_size, batch_size, 1, 1.0)
+    keras = keras_torch()
+    device = rank_device()
+    with full_fp32(), keras.device(str(device)):
+        model = get_model(0.0, seed).to(device)
+        by_path = {v.path: v for v in model.variables}
+        moving, bias = by_path["bn1/moving_mean"], by_path["logits/bias"]
+        for v in (moving, bias):
+            v.assign(torch.full(tuple(v.shape), rank + 1.0))
+        net = DDP(model, device_ids=[device] if device.type == "cuda" else None)
+        seen = {"wrapped": (moving.value[0].item(), bias.value[0].item())}
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, drop_last=True)
+        x, y = next(iter(DataLoader(dataset, batch_size=batch_size, sampler=sampler)))
+        F.cross_entropy(net(x.to(device), training=True), y.to(device)).backward()
+        torch.optim.SGD(net.parameters(), lr=0.1).step()
+        seen["stepped"] = (moving.value[0].item(), bias.value[0].item())
+        return seen
+
+
+def fit_rank(rank, world_size, dataset, steps, batch_size, lr, *, seed=0):
+    """Keras's model.fit in a DDP rank. Introduced in notebooks/18-keras-on-torch.ipynb."""
+    check_sizes(dataset, world_size, batch_size, steps, lr)
+    keras = keras_torch()
+    device = rank_device()
+    with full_fp32(), keras.device(str(device)):
+        model = get_model(0.0, seed).to(device)
+        ddp_model = DDP(model, device_ids=[device] if device.type == "cuda" else None)
+        model.compile(optimizer=keras.optimizers.SGD(lr),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
+                                     drop_last=True)
+        idx = list(sampler)[: steps * batch_size]
+        x, y = (t[idx].numpy() for t in dataset.tensors)
+        model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+        return {"params": weights(model, True), "has_fit": hasattr(ddp_model, "fit")}
 # ---- end of export from notebooks/18-keras-on-torch.ipynb ----
