@@ -133,7 +133,7 @@ def guide_rank(current_gpu_index, num_gpus, dataset, port, results, steps=8, bat
 
 # ---- exported from notebooks/18-keras-on-torch.ipynb: edit it there, then run `make export` ----
 def get_model(dropout: float = 0.5, seed: int = 0):
-    """The Keras guide's convnet; the seed fixes the weights. Introduced in notebooks/18-keras-on-torch.ipynb."""
+    """The Keras guide's convnet; equal seeds give equal weights. Introduced in notebooks/18-keras-on-torch.ipynb."""
     keras = keras_torch()
     layers = keras.layers
     keras.utils.set_random_seed(seed)
