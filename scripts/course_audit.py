@@ -39,7 +39,7 @@ LESSONS = {
     "CUDA_VISIBLE_DEVICES masks": (r"visible-devices", ["CUDA_VISIBLE_DEVICES"]),
     "the torchrun script's loop": (r"torchrun", ["init_process_group", "set_epoch", "LOCAL_RANK"]),
     "the collectives, and a ring all-reduce by hand": (r"collectives", ["all_reduce", "all_gather", "send", "recv"]),
-    "saved activations and checkpointing": (r"memory", ["saved_tensors_hooks", "checkpoint", "meta"]),
+    "saved activations and checkpointing": (r"memory", ["saved_tensors_hooks", "checkpoint", "to_empty"]),
     "fully_shard": (r"fsdp", ["fully_shard", "MixedPrecisionPolicy"]),
     "distributed checkpoints": (r"distributed-checkpoints", ["dcp.save", "dcp.load"]),
     "tensor parallelism on a mesh": (r"tensor-parallel", ["init_device_mesh", "parallelize_module", "ColwiseParallel",
