@@ -219,6 +219,17 @@ def _gpu_only(tree: ast.AST) -> list[str]:
     return lines
 
 
+def _written_script(src: str) -> ast.Module | None:
+    """The Python a ``%%writefile <file>.py`` cell writes (a script torchrun or a child runs), else None."""
+    first, _, body = src.lstrip().partition("\n")
+    if not re.match(r"%%writefile\s+\S+\.py\s*$", first):
+        return None
+    try:
+        return ast.parse(body)
+    except SyntaxError:
+        return None
+
+
 def _exercises(markdown: str) -> int:
     m = re.search(r"^#+\s*Exercises\s*$(.*?)(?=^#+\s|\Z)", markdown, re.M | re.S)
     return len(re.findall(r"^\s*\d+\.\s", m.group(1), re.M)) if m else 0
@@ -253,6 +264,11 @@ def audit_notebook(path: Path) -> Report:
             r.string_words += sum(len(WORD.findall(s)) for s in english)
             r.code_lines += sum(1 for line in stripped.splitlines() if line.strip())
             calls = _library_calls(tree, origins)
+            script = _written_script(src)  # a %%writefile cell's Python: torch on the page that ranks run
+            if script is not None:
+                script_origins = {}
+                _origins(script, script_origins)
+                calls = _library_calls(script, script_origins)
             r.helper_calls += calls["helpers"]
             r.torch_calls += calls["torch"]
             r.gpu_lines += _gpu_only(tree)

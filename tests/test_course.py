@@ -119,6 +119,16 @@ def test_the_call_counts_follow_imports(tmp_path):
     assert (r.torch_calls, r.helper_calls, r.code_lines) == (2, 2, 9)
 
 
+def test_a_written_script_s_torch_counts_and_runs_nowhere_here(tmp_path):
+    """A %%writefile cell of a .py script is torch on the page (torchrun's workers run it), not this process's."""
+    script = "%%writefile {work}/s.py\nimport torch\nimport torch.distributed as dist\ndist.init_process_group('gloo')\n" \
+             "torch.ones(1).backward()\n"
+    r = course_audit.audit_notebook(_tiny_notebook(tmp_path, script))
+    assert (r.torch_calls, r.helper_calls, r.process_risks) == (2, 0, [])
+    r = course_audit.audit_notebook(_tiny_notebook(tmp_path, script.replace("s.py", "s.txt")))
+    assert r.torch_calls == 0  # not a Python script: its text is not counted as calls
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_every_exercise_has_a_hint_and_a_hidden_solution_cell(path):
     r = BY_NAME[path.stem]
