@@ -5,8 +5,9 @@ augments it with torchvision's transforms v2, as image pipelines do: per item,
 in Python, on the CPU. That work is what DataLoader workers parallelise.
 ``measure`` times one loader: samples/s, and per step the time spent waiting
 for the next batch against the time spent computing on it; ``sweep`` repeats
-that over settings. The DataLoaders themselves, and the DDP rank with workers,
-are written in notebooks/11-data-loading.ipynb.
+that over settings. The DataLoaders themselves, the DDP rank with workers and
+the timed step are written in notebooks/11-data-loading.ipynb; the step
+(``forward_step``, at the end) is exported from there (``make export``).
 """
 
 from __future__ import annotations
@@ -97,24 +98,6 @@ class LoaderRun:
     def wait_fraction(self) -> float:
         """Share of the time the step sat waiting for data (0: the loader keeps up)."""
         return self.wait_s / self.seconds if self.seconds > 0 else 0.0
-
-
-def forward_step(model: torch.nn.Module, device="cpu"):
-    """A step that copies the batch to ``device`` and runs ``model`` forward without autograd.
-
-    No backward on purpose: a notebook that later forks GPU ranks must not
-    run autograd in its own process (see helpers.launch).
-    Introduced in notebooks/11-data-loading.ipynb.
-    """
-    device = torch.device(device)
-    model = model.to(device).eval()
-
-    def step(x, y):
-        x = x.to(device, non_blocking=True)
-        with torch.inference_mode():
-            model(x)
-        sync(device)  # the step ends when the device is done, or the wait time would hide its work
-    return step
 
 
 def measure(loader, step=None, epochs: int = 1, max_batches: int | None = None, settings: dict | None = None,
@@ -215,3 +198,20 @@ def table(rows: list[dict]) -> None:
     widths = [max(len(line[i]) for line in lines) for i in range(len(keys))]
     for line in lines:
         print("  ".join(v.rjust(w) for v, w in zip(line, widths)))
+
+
+# ---- exported from notebooks/11-data-loading.ipynb: edit it there, then run `make export` ----
+def forward_step(model, device="cpu"):
+    """A step that copies the batch to ``device`` and runs ``model`` forward, without autograd.
+
+    Introduced in notebooks/11-data-loading.ipynb.
+    """
+    model = model.to(device).eval()
+
+    def step(x, y):
+        x = x.to(device, non_blocking=True)  # asynchronous from pinned memory
+        with torch.inference_mode():
+            model(x)
+        sync(device)  # the step ends when the device is done, or its work would count as the next wait
+    return step
+# ---- end of export from notebooks/11-data-loading.ipynb ----
