@@ -59,7 +59,9 @@ def cuda_would_see(mask: str | None, n_physical: int) -> int:
 
     The rule measured child by child on one H100 with torch 2.11: no mask → all; entries are read
     left to right and the list stops at the first invalid one (not a number,
-    negative, or no such GPU); any duplicate hides every GPU.
+    negative, or no such GPU); any duplicate hides every GPU. torch's own reading (``_parse_visible_devices``,
+    ``_device_count_nvml`` in torch/cuda/__init__.py) agrees on notebook 12's masks, but not on some that
+    ``check_mask`` refuses anyway: it reads ``"1x"`` as 1 (strtoul) and shows none for ``"0,5,0"`` on one GPU.
     Introduced in notebooks/12-visible-devices.ipynb.
     """
     if mask is None:
