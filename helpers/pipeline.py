@@ -17,13 +17,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from . import schedules, stages
 from ._rank import report
-from .bench import alternating
 from .checks import positive_int
-from .ddp import shard_sampler
 from .models import ConvNet, max_param_diff
 from .schedules import KINDS, programs
 from .stages import TwoStage
@@ -115,38 +113,40 @@ def pp_rank(rank, world_size, x, y, *, micro_counts=(4,), schedule="gpipe", spli
     """One stage per rank, torch.distributed.pipelining. Introduced in notebooks/10-pipelines.ipynb."""
     # returns this stage's gradients (ConvNet's names), the last stage's losses, step times per M, its stage time
     device = stages.plan_pipeline(world_size).devices[rank]  # a GPU per stage (NCCL), else the CPU for every rank
-    with full_fp32():
-        torch.manual_seed(seed)  # every rank builds the same whole model, then keeps its own stage
-        model = TwoStage(ConvNet(batch_norm=False), split)
-        part = (model.stage0, model.stage1)[rank].to(device)
-        Schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-        pipes = {m: Schedule(PipelineStage(part, rank, world_size, device), m, loss_fn=F.cross_entropy,
-                             scale_grads=scale_grads) for m in micro_counts}
-        last = rank == world_size - 1
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False  # full fp32 (no TF32)
+    torch.manual_seed(seed)  # every rank builds the same whole model, then keeps its own stage
+    model = TwoStage(ConvNet(batch_norm=False), split)
+    part = (model.stage0, model.stage1)[rank].to(device)
+    Schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    pipes = {m: Schedule(PipelineStage(part, rank, world_size, device), m, loss_fn=F.cross_entropy,
+                         scale_grads=scale_grads) for m in micro_counts}
+    last = rank == world_size - 1
 
-        def step(m, losses=None):
-            part.zero_grad(set_to_none=True)
-            if rank == 0:
-                pipes[m].step(x.to(device))  # the first stage feeds the inputs
-            else:
-                pipes[m].step(target=y.to(device), losses=losses)  # the last holds the labels and the loss
-            sync(device)
+    def step(m, losses=None):
+        part.zero_grad(set_to_none=True)
+        if rank == 0:
+            pipes[m].step(x.to(device))  # the first stage feeds the inputs
+        else:
+            pipes[m].step(target=y.to(device), losses=losses)  # the last holds the labels and the loss
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the clock reads a finished step
 
-        losses = []
-        step(micro_counts[0], losses)  # the step whose gradients are checked
-        grads = {model.convnet_name(rank, k): p.grad.detach().cpu() for k, p in part.named_parameters()}
-        for m in micro_counts[1:]:
-            step(m)  # each schedule's first step also works out the shapes sent between stages
-        times = {m: [] for m in micro_counts}
-        for m in alternating(list(micro_counts), rounds):
-            dist.barrier()  # both ranks start the step together
-            start = time.perf_counter()
-            step(m)
-            times[m].append(time.perf_counter() - start)
-        with torch.no_grad():
-            inputs = x if rank == 0 else model.stage0(x)  # stage 1's input: stage 0's output (its CPU copy here)
-        own = stages.own_stage_seconds(rank, world_size, part, inputs, y if last else None, device, rounds) \
-            if rounds else None
+    losses = []
+    step(micro_counts[0], losses)  # the step whose gradients are checked
+    grads = {model.convnet_name(rank, k): p.grad.detach().cpu() for k, p in part.named_parameters()}
+    for m in micro_counts[1:]:
+        step(m)  # each schedule's first step also works out the shapes sent between stages
+    times = {m: [] for m in micro_counts}
+    order = [m for r in range(rounds) for m in (micro_counts if r % 2 == 0 else micro_counts[::-1])]
+    for m in order:  # alternating order: a drifting machine favours no M
+        dist.barrier()  # both ranks start the step together
+        start = time.perf_counter()
+        step(m)
+        times[m].append(time.perf_counter() - start)
+    with torch.no_grad():
+        inputs = x if rank == 0 else model.stage0(x)  # stage 1's input: stage 0's output (its CPU copy here)
+    own = stages.own_stage_seconds(rank, world_size, part, inputs, y if last else None, device, rounds) \
+        if rounds else None
     return {"grads": grads, "losses": [t.item() for t in losses] if last else None, "times": times,
             "stage_seconds": own, "device": str(device)}
 
@@ -160,23 +160,23 @@ def hybrid_steps(rank, world_size, dataset, steps, batch_size, lr, *, split=4, s
         torch.cuda.set_device(devices[0])
     dist.init_process_group(plan.backend, rank=rank, world_size=world_size)
     try:
-        with full_fp32():
-            torch.manual_seed(seed)  # the same weights as the one-process reference's ConvNet
-            model = TwoStage(ConvNet(batch_norm=False), split, devices)
-            ddp_model = DDP(model, device_ids=None)  # the module spans devices: DDP must not pick one
-            sampler = shard_sampler(dataset, rank, world_size, seed)
-            loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
-            opt = torch.optim.SGD(ddp_model.parameters(), lr=lr, momentum=0.9)
-            losses = []
-            for step, (xb, yb) in zip(range(steps), loader):
-                opt.zero_grad(set_to_none=True)
-                loss = F.cross_entropy(ddp_model(xb), yb.to(model.output_device))  # labels on the output device
-                loss.backward()  # DDP all-reduces each gradient on its own device
-                opt.step()
-                losses.append(loss.item())
-                report(step=step + 1, total=steps, loss=losses[-1])
-            result = {"params": model.convnet_state(), "losses": losses, "devices": [str(d) for d in devices],
-                      "indices": list(sampler)[: steps * batch_size], "plan": plan.sentence}
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False  # full fp32 (no TF32)
+        torch.manual_seed(seed)  # the same weights as the one-process reference's ConvNet
+        model = TwoStage(ConvNet(batch_norm=False), split, devices)
+        ddp_model = DDP(model, device_ids=None)  # the module spans devices: DDP must not pick one
+        sampler = DistributedSampler(dataset, world_size, rank, shuffle=True, seed=seed, drop_last=True)
+        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
+        opt = torch.optim.SGD(ddp_model.parameters(), lr=lr, momentum=0.9)
+        losses = []
+        for step, (xb, yb) in zip(range(steps), loader):
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(ddp_model(xb), yb.to(model.output_device))  # labels on the output device
+            loss.backward()  # DDP all-reduces each gradient on its own device
+            opt.step()
+            losses.append(loss.item())
+            report(step=step + 1, total=steps, loss=losses[-1])
+        result = {"params": model.convnet_state(), "losses": losses, "devices": [str(d) for d in devices],
+                  "indices": list(sampler)[: steps * batch_size], "plan": plan.sentence}
         # name the device: NCCL's barrier otherwise warns that it guesses one
         dist.barrier(**({"device_ids": [devices[0].index]} if plan.backend == "nccl" else {}))
     finally:

@@ -185,18 +185,6 @@ def sweep_rows(times: dict, stage_seconds, cost_s: float | None = None) -> list[
     return rows
 
 
-def print_rows(rows: list[dict]) -> None:
-    """The rows of ``sweep_rows`` as a table.
-
-    Introduced in notebooks/10-pipelines.ipynb.
-    """
-    cost = "with_cost" in rows[0]
-    print(f"{'M':>3} {'step ms':>8} {'min–max':>15} {'bubble':>7} {'perfect':>8}" + (f" {'+ cost':>8}" if cost else ""))
-    for r in rows:
-        print(f"{r['m']:3d} {r['ms']:8.2f} {r['lo']:7.2f}–{r['hi']:<7.2f} {r['bubble']:7.0%} {r['ideal']:8.2f}"
-              + (f" {r['with_cost']:8.2f}" if cost else ""))
-
-
 def plot_sweep(rows: list[dict], title: str):
     """Measured step time per M (median, quartiles) beside the perfect pipeline and the bubble fraction.
 

@@ -119,7 +119,6 @@ def test_sweep_rows_put_measured_times_beside_the_perfect_pipeline():
     assert rows[0]["ideal"] == pytest.approx(30.0) and rows[1]["ideal"] == pytest.approx(30.0 * 5 / 8)
     assert rows[1]["with_cost"] == pytest.approx(rows[1]["ideal"] + 4.0)
     assert rows[1]["bubble"] == pytest.approx(schedules.bubble_fraction(2, 4))
-    schedules.print_rows(rows)
     fig = schedules.plot_sweep(rows, "test")
     assert fig.axes and fig.axes[0].get_title() == "test"
 
