@@ -115,8 +115,9 @@ def pp_rank(rank, world_size, x, y, *, micro_counts=(4,), schedule="gpipe", spli
     device = stages.plan_pipeline(world_size).devices[rank]  # a GPU per stage (NCCL), else the CPU for every rank
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False  # full fp32 (no TF32)
     torch.manual_seed(seed)  # every rank builds the same whole model, then keeps its own stage
-    model = TwoStage(ConvNet(batch_norm=False), split)
-    part = (model.stage0, model.stage1)[rank].to(device)
+    net = ConvNet(batch_norm=False)
+    layers = torch.nn.Sequential(*net.layer1, *net.layer2, torch.nn.Flatten(1), net.fc)  # forward's order
+    part = (layers[:split], layers[split:])[rank].to(device)  # the cut: a slice, the same modules
     Schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     pipes = {m: Schedule(PipelineStage(part, rank, world_size, device), m, loss_fn=F.cross_entropy,
                          scale_grads=scale_grads) for m in micro_counts}
@@ -133,7 +134,7 @@ def pp_rank(rank, world_size, x, y, *, micro_counts=(4,), schedule="gpipe", spli
 
     losses = []
     step(micro_counts[0], losses)  # the step whose gradients are checked
-    grads = {model.convnet_name(rank, k): p.grad.detach().cpu() for k, p in part.named_parameters()}
+    grads = {k: p.grad.detach().cpu() for k, p in net.named_parameters() if p.grad is not None}  # ConvNet's names
     for m in micro_counts[1:]:
         step(m)  # each schedule's first step also works out the shapes sent between stages
     times = {m: [] for m in micro_counts}
@@ -144,7 +145,7 @@ def pp_rank(rank, world_size, x, y, *, micro_counts=(4,), schedule="gpipe", spli
         step(m)
         times[m].append(time.perf_counter() - start)
     with torch.no_grad():
-        inputs = x if rank == 0 else model.stage0(x)  # stage 1's input: stage 0's output (its CPU copy here)
+        inputs = x if rank == 0 else layers[:split](x)  # stage 1's input: stage 0's output (its CPU copy here)
     own = stages.own_stage_seconds(rank, world_size, part, inputs, y if last else None, device, rounds) \
         if rounds else None
     return {"grads": grads, "losses": [t.item() for t in losses] if last else None, "times": times,
