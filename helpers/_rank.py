@@ -21,6 +21,10 @@ from .devices import gpu_count, shm_gib
 _QUEUE = None  # set in a launched rank: where report() and prints go
 _RANK = None
 _DEVICE = None
+# The process group's own timeout is launch's plus this margin, so launch's clock always runs out first: a rank
+# left waiting in a collective is then reported as stuck (RankTimeout, with every rank's stack) instead of racing
+# to fail on its own with a bare "Timed out waiting ... for recv" (RankFailed).
+GROUP_TIMEOUT_MARGIN_S = 60
 
 
 def rank_device() -> torch.device:
@@ -189,7 +193,7 @@ def child_main(fn, rank, world_size, args, plan, port, queue, stack_file, result
             # NCCL wants to know its device up front (else barrier() warns and guesses)
             bound = {"device_id": device} if plan.backend == "nccl" else {}
             dist.init_process_group(plan.backend, rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=timeout), **bound)
+                                    timeout=timedelta(seconds=timeout + GROUP_TIMEOUT_MARGIN_S), **bound)
         result = fn(rank, world_size, *args)
         if dist.is_initialized():  # fn may have torn the group down itself, as scripts do
             dist.barrier()

@@ -150,7 +150,8 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, backend: str | No
 
     Failures raise in the cell after every rank is killed: ``RankFailed``
     (a rank raised or died; its traceback is shown), ``RankTimeout`` (not
-    done after ``timeout`` seconds; each stuck rank's stack is shown, and
+    done after ``timeout`` seconds, which the process group's own timeout
+    outlasts by ``GROUP_TIMEOUT_MARGIN_S``; each stuck rank's stack is shown, and
     over NCCL between GPUs ``devices.nccl_p2p_hint()``),
     ``CudaInitialized`` (refused before forking; ``CudaPoisoned`` when a
     forked canary cannot start CUDA, the trace of a backward pass in this

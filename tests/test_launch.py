@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from conftest import wait_until
 from helpers import launch as L
+from helpers._rank import GROUP_TIMEOUT_MARGIN_S
 from helpers.procs import alive
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,6 +72,25 @@ def failing(rank, world_size):
     if rank == 1:
         raise ValueError("rank one is broken")
     dist.barrier()  # rank 0 would wait here forever
+
+
+def group_timeout_s(rank, world_size):
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    return backend.options._timeout.total_seconds()  # private, but the only way to read it back
+
+
+def waits_for_rank_1(rank, world_size):
+    if rank == 1:
+        time.sleep(3600)
+    dist.barrier()
+
+
+def test_launch_times_out_before_the_process_group_does():
+    # The group's own timeout must outlast launch's: else a rank waiting in a collective can fail on its own
+    # ("Timed out waiting ... for recv", RankFailed) before launch reports it stuck with its stack (CI saw it once).
+    assert L.launch(group_timeout_s, 2, timeout=7, progress=False) == [7 + GROUP_TIMEOUT_MARGIN_S] * 2
+    with pytest.raises(L.RankTimeout, match="waits_for_rank_1"):
+        L.launch(waits_for_rank_1, 2, timeout=1, quiet=True, progress=False)
 
 
 def test_a_raising_rank_fails_fast_with_its_traceback():
