@@ -1,8 +1,8 @@
 """Reusable launch and training code for the multigpu-notebooks course.
 
 Importing this package sets two environment variables, for fork-safety and for
-honest labels: it asks torch to answer ``torch.cuda.is_available()`` and
-``device_count()`` through NVML, so that those calls never create a CUDA context
+honest labels: it asks torch to answer ``torch.cuda.is_available()`` through
+NVML, as ``device_count()`` already does, so that neither creates a CUDA context
 in the notebook and a later fork of training ranks stays safe (see
 ``helpers.launch``); and it numbers CUDA's GPUs in PCI bus order, as NVML does
 (``CUDA_DEVICE_ORDER=PCI_BUS_ID``), unless the environment already chose.
