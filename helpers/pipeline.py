@@ -116,7 +116,7 @@ def pp_rank(rank, world_size, x, y, *, micro_counts=(4,), schedule="gpipe", spli
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False  # full fp32 (no TF32)
     torch.manual_seed(seed)  # every rank builds the same whole model, then keeps its own stage
     net = ConvNet(batch_norm=False)
-    layers = torch.nn.Sequential(*net.layer1, *net.layer2, torch.nn.Flatten(1), net.fc)  # forward's order
+    layers = torch.nn.Sequential(*[m for _, m in stages.convnet_layers(net)])  # forward's order (notebook 09)
     part = (layers[:split], layers[split:])[rank].to(device)  # the cut: a slice, the same modules
     Schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     pipes = {m: Schedule(PipelineStage(part, rank, world_size, device), m, loss_fn=F.cross_entropy,
