@@ -24,7 +24,7 @@ def max_param_diff(a: dict, b: dict) -> float:
     """
     if a.keys() != b.keys():
         raise ValueError(f"different parameters: {sorted(a.keys() ^ b.keys())}")
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a if a[k].is_floating_point())
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point())  # float64 stays float64
 
 
 # ---- exported from notebooks/01-single-gpu.ipynb: edit it there, then run `make export` ----
