@@ -90,12 +90,12 @@ def train_steps(model, sampler, loader, optimizer, device, steps: int, *, warmup
 
     Introduced in notebooks/04-ddp.ipynb.
     """
-    losses = []
+    losses, dtype = [], next(model.parameters()).dtype  # float64 for section 5's check
     for step, (x, y) in zip(range(warmup + steps), batches(sampler, loader)):
         if step == warmup:  # the clock starts after the warm-up, once queued GPU work is done
             sync(device)
             start = time.perf_counter()
-        x, y = x.to(device), y.to(device)
+        x, y = x.to(device, dtype), y.to(device)  # the images come as float32
         loss = F.cross_entropy(model(x), y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # under DDP, the gradients are averaged across ranks in here
@@ -111,15 +111,15 @@ def train_steps(model, sampler, loader, optimizer, device, steps: int, *, warmup
 
 def ddp_steps(rank: int, world_size: int, dataset, steps: int, batch_size: int, lr: float, *,
               batch_norm: bool = False, seed: int = 0, warmup: int = 0, tf32: bool = False,
-              live: bool = False) -> dict:
-    """A DDP ConvNet trained ``steps`` steps of ``batch_size`` per rank.
+              live: bool = False, dtype=torch.float32) -> dict:
+    """A DDP ConvNet in ``dtype``, trained ``steps`` steps of ``batch_size`` per rank.
 
     Introduced in notebooks/04-ddp.ipynb.
     """
     check_steps(dataset, world_size, batch_size, steps, lr)
     device = rank_device()  # launch has joined the process group and bound this rank to its device
     torch.manual_seed(seed)  # the same initial model on every rank
-    model = models.ConvNet(batch_norm=batch_norm).to(device)
+    model = models.ConvNet(batch_norm=batch_norm).to(device, dtype)
     ddp_model = DDP(model, device_ids=[device] if device.type == "cuda" else None)
     sampler = shard_sampler(dataset, rank, world_size, seed)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
@@ -130,7 +130,7 @@ def ddp_steps(rank: int, world_size: int, dataset, steps: int, batch_size: int, 
 
 
 def reference_rank(rank: int, world_size: int, dataset, steps: int, batch_size: int, lr: float, *,
-                   batch_norm: bool = False, seed: int = 0, tf32: bool = False) -> dict:
+                   batch_norm: bool = False, seed: int = 0, tf32: bool = False, dtype=torch.float32) -> dict:
     """One process, no DDP, the same shuffle: what DDP must match.
 
     Introduced in notebooks/04-ddp.ipynb.
@@ -140,7 +140,7 @@ def reference_rank(rank: int, world_size: int, dataset, steps: int, batch_size: 
     check_steps(dataset, 1, batch_size, steps, lr)
     device = rank_device()
     torch.manual_seed(seed)
-    model = models.ConvNet(batch_norm=batch_norm).to(device)
+    model = models.ConvNet(batch_norm=batch_norm).to(device, dtype)
     sampler = shard_sampler(dataset, 0, 1, seed)  # a world of one: the whole shuffle, in order
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)

@@ -57,18 +57,24 @@ def test_live_plot_keeps_every_point_of_the_ranks_asked_for(monkeypatch):
     assert bytes(live.image.value).startswith(b"\x89PNG"), "the widget holds the latest drawing"
 
 
+F64 = dict(dtype=torch.float64)  # the equivalence rule (helpers/README.md): float64 on both sides, < 1e-10
+
+
 def test_ddp_steps_match_one_process_with_the_big_batch():
     """The reference runs in a launched child: a backward here would poison later GPU forks (FACTS)."""
     data = toy_set()
     quiet = dict(quiet=True, progress=False)
-    out = launch(ddp.ddp_steps, 2, data, 3, 16, 0.1, **quiet)
-    ref = launch(ddp.reference_rank, 1, data, 3, 32, 0.1, **quiet)[0]
-    assert models.max_param_diff(out[0]["params"], ref["params"]) < 1e-5
+    out = launch(functools.partial(ddp.ddp_steps, **F64), 2, data, 3, 16, 0.1, **quiet)
+    ref = launch(functools.partial(ddp.reference_rank, **F64), 1, data, 3, 32, 0.1, **quiet)[0]
+    assert all(v.dtype == torch.float64 for v in ref["params"].values() if v.is_floating_point())
+    assert models.max_param_diff(out[0]["params"], ref["params"]) < 1e-10
     assert models.max_param_diff(out[0]["params"], out[1]["params"]) == 0.0
     assert len(out[0]["losses"]) == 3 and out[0]["samples_per_s"] > 0
-    with_bn = launch(functools.partial(ddp.ddp_steps, batch_norm=True), 2, data, 3, 16, 0.1, **quiet)
-    bn_ref = launch(functools.partial(ddp.reference_rank, batch_norm=True), 1, data, 3, 32, 0.1, **quiet)[0]
+    with_bn = launch(functools.partial(ddp.ddp_steps, batch_norm=True, **F64), 2, data, 3, 16, 0.1, **quiet)
+    bn_ref = launch(functools.partial(ddp.reference_rank, batch_norm=True, **F64), 1, data, 3, 32, 0.1, **quiet)[0]
     assert models.max_param_diff(with_bn[0]["params"], bn_ref["params"]) > 1e-4
+    default = launch(ddp.reference_rank, 1, data, 3, 32, 0.1, **quiet)[0]
+    assert default["params"]["fc.weight"].dtype == torch.float32, "float32 stays the default"
     with pytest.raises(RankFailed, match="launch it with world_size=1"):
         launch(ddp.reference_rank, 2, data, 3, 32, 0.1, **quiet)
 
@@ -77,12 +83,12 @@ def test_ddp_steps_match_one_process_across_epochs_and_warm_up_counts_untimed():
     """Steps go on past an epoch (set_epoch reshuffles on both sides); the epoch's end needs no batch boundary."""
     data = toy_set(3 * 16 * 2 + 5)  # 2 steps an epoch for 3 ranks of 16, 5 samples left over
     quiet = dict(quiet=True, progress=False)
-    out = launch(ddp.ddp_steps, 3, data, 5, 16, 0.1, **quiet)
-    ref = launch(ddp.reference_rank, 1, data, 5, 48, 0.1, **quiet)[0]
-    assert models.max_param_diff(out[0]["params"], ref["params"]) < 1e-5
-    warm = launch(functools.partial(ddp.ddp_steps, warmup=2), 3, data, 3, 16, 0.1, **quiet)
+    out = launch(functools.partial(ddp.ddp_steps, **F64), 3, data, 5, 16, 0.1, **quiet)
+    ref = launch(functools.partial(ddp.reference_rank, **F64), 1, data, 5, 48, 0.1, **quiet)[0]
+    assert models.max_param_diff(out[0]["params"], ref["params"]) < 1e-10
+    warm = launch(functools.partial(ddp.ddp_steps, warmup=2, **F64), 3, data, 3, 16, 0.1, **quiet)
     assert len(warm[0]["losses"]) == 3
-    assert models.max_param_diff(warm[0]["params"], out[0]["params"]) < 1e-6, "2 untimed + 3 timed = 5 steps"
+    assert models.max_param_diff(warm[0]["params"], out[0]["params"]) < 1e-10, "2 untimed + 3 timed = 5 steps"
 
 
 @pytest.mark.parametrize("steps, batch, lr, error", [
