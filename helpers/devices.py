@@ -3,20 +3,24 @@
 Nothing here creates a CUDA context: GPU names, memory and counts come from NVML
 (torch's own NVML count, see ``helpers/__init__``), so a notebook can look at its
 hardware and still fork training ranks. Where NVML cannot count (MIG slices, no
-NVML library) or the driver is older than torch's CUDA build, the GPUs are not
-planned on, and ``gpu_problem()`` says why, instead of letting a later fork fail.
+NVML library), the driver is older than torch's CUDA build, or the build holds no
+code for a GPU's compute capability, the GPUs are not planned on, and
+``gpu_problem()`` says why, instead of letting a later fork fail.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import platform
 import shutil
 from dataclasses import dataclass, field
 
 import torch
 
 from .checks import positive_int
+from .procs import ChildDied, call_in_child
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,7 @@ def gpu_count() -> int:
 
 
 def gpu_problem() -> str | None:
-    """Why GPUs that this machine seems to have are not used (MIG slices, no NVML, an old driver), else None.
+    """Why GPUs that this machine seems to have are not used (MIG slices, no NVML, an old driver, no kernels), else None.
 
     Machinery behind devices.plan (its sentence); no notebook calls it directly.
     """
@@ -118,7 +122,7 @@ def _usable() -> tuple[int, str | None]:
         return 0, None  # no NVIDIA driver: a CPU machine
     if n == 0:
         return 0, None
-    warning = driver_check()
+    warning = driver_check() or kernel_check()
     if warning is not None:
         return 0, f"{n} GPU{'s' if n > 1 else ''} not used: {warning}"
     return n, None
@@ -211,13 +215,113 @@ def driver_check(torch_cuda: str | None = None, driver_cuda: str | None = "read"
             "'previous versions' page list them), then restart the kernel.")
 
 
+def kernel_check(capabilities: list | None = None, archs: list[str] | None = None) -> str | None:
+    """A warning when torch's CUDA build holds no code that a visible GPU can run, else None.
+
+    ``capabilities`` are NVML's (major, minor) per visible GPU (None where unreadable);
+    ``archs`` is the build's list as ``torch.cuda.get_arch_list()`` gives it (``sm_75 ...
+    sm_120`` for the CUDA 13.2 wheel); both override the readings, for tests. A cubin
+    ``sm_XY`` runs on capability X.Z for Z >= Y, its own major only (torch's
+    ``_check_capability`` and ``_CompatInterval`` in torch/cuda/__init__.py; torch also
+    excepts Jetson's integrated GPUs, which this does not); PTX ``compute_XY`` is compiled by
+    the driver for X.Y and every later GPU. A GPU with neither (a P100 or V100 under the
+    13.x wheels) passes launch's canary, which runs no kernel, and then fails in the ranks
+    with "no kernel image is available for execution on the device".
+    Machinery behind devices.plan; no notebook calls it directly.
+    """
+    if torch.version.cuda is None:
+        return None  # a CPU or ROCm build: no CUDA arch list to compare (torch's own check skips ROCm too)
+    if capabilities is None:
+        capabilities = _capabilities(max(_nvml_count(), 0))
+    if all(c is None for c in capabilities):
+        return None  # nothing to compare, and no need to read the build's list
+    archs = list(_built_archs() if archs is None else archs)
+    if not archs:
+        return None
+    bad = [(i, c) for i, c in enumerate(capabilities) if c is not None and not _runs_on(archs, c)]
+    if not bad:
+        return None
+    gpus = ", ".join(f"cuda:{i} (compute capability {c[0]}.{c[1]})" for i, c in bad)
+    major, minor = bad[0][1]
+    return (f"torch {torch.__version__} holds GPU code for {' '.join(archs)} only, none of which runs on {gpus}: "
+            "every rank there would fail with 'no kernel image is available for execution on the device'. Fix: "
+            f"{_build_for(major * 10 + minor)}, then restart the kernel; or show the ranks only GPUs this torch can run, "
+            "with CUDA_VISIBLE_DEVICES (notebook 12).")
+
+
+def _capabilities(n: int) -> list[tuple[int, int] | None]:
+    """NVML's compute capability of each of the first ``n`` visible GPUs, in one NVML session (None: unreadable)."""
+    with _nvml() as nvml:
+        if nvml is None:
+            return [None] * n
+        out = []
+        for index in _nvml_indices(n):
+            try:
+                major, minor = nvml.nvmlDeviceGetCudaComputeCapability(nvml.nvmlDeviceGetHandleByIndex(index))
+                out.append((int(major), int(minor)))
+            except (nvml.NVMLError, AttributeError):
+                out.append(None)
+        return out + [None] * (n - len(out))
+
+
+def _runs_on(archs: list[str], capability: tuple[int, int]) -> bool:
+    """Whether any entry of a build's arch list (``sm_XY`` cubins, ``compute_XY`` PTX) runs on ``capability``."""
+    major, minor = capability
+    for arch in archs:
+        kind, _, number = arch.partition("_")
+        number = number.rstrip("af")  # sm_90a, sm_100f: arch- and family-specific variants of 9.0, 10.0
+        if not number.isdigit():
+            continue
+        code = int(number)
+        if kind == "compute" and major * 10 + minor >= code:
+            return True
+        if kind == "sm" and code // 10 == major and code % 10 <= minor:
+            return True
+    return False
+
+
+def _build_for(cc: int) -> str:
+    """The fix for a GPU of capability ``cc``: torch's own table of its release builds names one where it has it."""
+    table = getattr(torch.cuda, "PYTORCH_RELEASES_CODE_CC", {})  # {CUDA: codes} in 2.11, {CUDA: {host: codes}} in 2.15
+    host = "aarch64" if platform.machine().lower() == "aarch64" else "x86_64"
+    codes = {cuda: ccs.get(host, ()) if isinstance(ccs, dict) else ccs for cuda, ccs in table.items()}
+    fits = [cuda for cuda, ccs in codes.items() if _runs_on([f"sm_{code}" for code in ccs], (cc // 10, cc % 10))]
+    version = torch.__version__.split("+")[0]
+    if fits:
+        tag = "cu" + fits[0].replace(".", "")
+        return (f"install the torch build for CUDA {fits[0]}, which has code for it (pip install torch=={version} "
+                f"--index-url https://download.pytorch.org/whl/{tag})")
+    return (f"install a torch build with code for sm_{cc} (pytorch.org's install selector and its 'previous "
+            "versions' page list the CUDA builds; older CUDA versions keep older GPUs)")
+
+
+@functools.lru_cache(maxsize=1)
+def _built_archs() -> tuple[str, ...]:
+    """The build's arch list, read once in a forked child: the call behind ``get_arch_list()`` starts no CUDA,
+    but it registers torch's at-fork handler (``poison_fork`` in torch/csrc/cuda/Module.cpp), after which every
+    child this process forks is "in a bad fork" and cannot start CUDA, launch's ranks included."""
+    if not torch.cuda._is_compiled():
+        return ()
+    try:
+        flags = call_in_child(_arch_flags, timeout=60, name="torch-arch-list")
+    except (TimeoutError, ChildDied):
+        return ()  # unknown: nothing is planned off for it
+    return tuple(flags.split()) if flags else ()
+
+
+def _arch_flags() -> str | None:
+    return torch._C._cuda_getArchFlags()  # a string fixed when torch was compiled
+
+
 def nccl_p2p_hint(peer_access: dict[tuple[int, int], bool] | None = None) -> str:
-    """What to try when NCCL ranks hang between GPUs: NCCL_P2P_DISABLE=1, with NVML's answer for each GPU pair.
+    """What to try when NCCL hangs between GPUs: NCCL_P2P_DISABLE=1, with NVML's answer for each GPU pair.
 
     Consumer cards and some virtual machines (Kaggle's 2x T4 among them) report
-    peer-to-peer access that does not work, and NCCL then waits forever on the
-    first collective; ``NCCL_P2P_DISABLE=1`` sends the traffic through host memory
-    instead (https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html).
+    peer-to-peer access that does not work, and NCCL then waits forever on its
+    first call: ranks at their first collective, ``nn.DataParallel`` (one process,
+    NCCL broadcasts in ``replicate``) at its first forward. ``NCCL_P2P_DISABLE=1``
+    sends the traffic through host memory instead
+    (https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html).
     Introduced in notebooks/00-check-environment.ipynb.
     """
     peers = describe().peer_access if peer_access is None else peer_access
@@ -225,8 +329,9 @@ def nccl_p2p_hint(peer_access: dict[tuple[int, int], bool] | None = None) -> str
         return "NCCL_P2P_DISABLE=1 is already set, so peer-to-peer is not the cause"
     said = ", ".join(f"cuda:{a}->cuda:{b} {'yes' if ok else 'no'}" for (a, b), ok in sorted(peers.items()))
     nvml = f"NVML reports peer access {said}" if said else "NVML could not report peer access here"
-    return (f"if NCCL ranks hang at their first collective, try peer-to-peer off: os.environ['NCCL_P2P_DISABLE'] = "
-            f"'1' in the notebook before launching (ranks inherit it), or export it for torchrun ({nvml})")
+    return (f"if NCCL hangs at its first call (ranks at their first collective, DataParallel at its first forward), "
+            f"try peer-to-peer off: os.environ['NCCL_P2P_DISABLE'] = '1' in the notebook before the first launch or "
+            f"DataParallel call (ranks inherit it), or export it for torchrun ({nvml})")
 
 
 def _version(text: str) -> tuple[int, int]:

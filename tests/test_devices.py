@@ -225,3 +225,94 @@ def test_cpu_bf16_can_be_masked_for_a_whole_run(tmp_path, monkeypatch):
     masked.write_text("flags\t\t: fpu sse avx2\n")
     monkeypatch.setenv("MULTIGPU_CPUINFO", str(masked))
     assert not devices.cpu_has_bf16() and not devices.has_bf16("cpu")
+
+
+# ---- a GPU that torch's build holds no code for (a P100 or V100 under the CUDA 13 wheels) ----
+
+CU132 = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]  # torch 2.15.0+cu132's get_arch_list()
+
+
+@pytest.mark.parametrize("capability, archs, runs", [
+    ((7, 0), CU132, False),                    # V100: sm_75 is the same major but a later minor
+    ((6, 0), CU132, False),                    # P100
+    ((7, 5), CU132, True),                     # T4
+    ((8, 9), CU132, True),                     # L4 runs sm_86 code (same major, minor 6 <= 9)
+    ((10, 3), CU132, True),                    # B300 runs sm_100
+    ((13, 0), CU132, False),                   # a later major runs no cubin of an earlier one
+    ((13, 0), CU132 + ["compute_120"], True),  # ... but the driver compiles PTX for it
+    ((7, 0), ["sm_75", "compute_75"], False),  # PTX compiles forward only
+    ((9, 0), ["sm_80", "sm_90a"], True),       # an arch-specific cubin of 9.0
+])
+def test_kernels_run_within_their_major_version_at_or_above_their_minor(capability, archs, runs):
+    assert devices._runs_on(archs, capability) is runs
+    assert (devices.kernel_check([capability], archs) is None) is runs
+
+
+def test_a_gpu_the_build_has_no_code_for_plans_the_cpu_and_names_the_fix(monkeypatch):
+    _no_cuda_runtime_count(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 2)
+    monkeypatch.setattr(devices, "driver_check", lambda: None)
+    monkeypatch.setattr(devices, "_capabilities", lambda n: [(7, 0)] * n, raising=False)  # NVML's, for V100s
+    monkeypatch.setattr(devices, "_built_archs", lambda: tuple(CU132), raising=False)
+    assert devices.gpu_count() == 0
+    p = devices.plan(2)
+    assert p.kind == "cpu" and p.backend == "gloo" and "2 GPUs not used" in p.sentence
+    assert "compute capability 7.0" in p.sentence and "no kernel image" in p.sentence and "Fix:" in p.sentence
+    monkeypatch.setattr(devices, "_capabilities", lambda n: [(9, 0)] * n)  # H100s: planned as before
+    assert devices.plan(2).backend == "nccl"
+    monkeypatch.setattr(devices, "_capabilities", lambda n: [None] * n)  # unreadable: not held against the GPUs
+    monkeypatch.setattr(devices, "_built_archs", lambda: pytest.fail("the build's list read for nothing"))
+    assert devices.plan(2).backend == "nccl"
+
+
+def test_the_fix_names_a_build_with_code_for_the_gpu_where_torch_lists_its_builds(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "PYTORCH_RELEASES_CODE_CC", {"12.6": {"x86_64": {60, 70, 75}, "aarch64": {80}},
+                                                                 "13.2": {"x86_64": {75, 80}, "aarch64": {80}}},
+                        raising=False)
+    monkeypatch.setattr(devices.platform, "machine", lambda: "x86_64")
+    assert "whl/cu126" in devices.kernel_check([(7, 0)], ["sm_75", "sm_80"])
+    monkeypatch.setattr(torch.cuda, "PYTORCH_RELEASES_CODE_CC", {"12.6": {50, 60, 70}, "13.0": {75}})  # torch 2.11's
+    assert "whl/cu126" in devices.kernel_check([(7, 0)], ["sm_75", "sm_80"])
+    monkeypatch.setattr(torch.cuda, "PYTORCH_RELEASES_CODE_CC", {}, raising=False)  # no table
+    assert "sm_70" in devices.kernel_check([(7, 0)], ["sm_75"]) and "install selector" in devices.kernel_check(
+        [(7, 0)], ["sm_75"])
+
+
+CHECK_ARCH = """
+import os, sys, torch
+print(torch._C._cuda_getArchFlags() or "-")  # get_arch_list()'s source; torch 2.11's gives [] without a GPU
+pid = os.fork()  # after the call: can a forked child still start CUDA?
+if pid == 0:
+    os._exit(3 if torch.cuda._is_in_bad_fork() else 0)
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+def test_the_arch_list_is_read_in_a_child_because_reading_it_poisons_later_forks():
+    import subprocess
+    import sys
+
+    from helpers.procs import call_in_child
+
+    out = subprocess.run([sys.executable, "-c", CHECK_ARCH], capture_output=True, text=True, check=True).stdout
+    torch_says, child_exit = out.strip().splitlines()
+    devices._built_archs.cache_clear()
+    assert (" ".join(devices._built_archs()) or "-") == torch_says  # a CPU-only machine too: the list is compiled in
+    assert not torch.cuda.is_initialized()
+    assert call_in_child(torch.cuda._is_in_bad_fork) is False, "this process's forks can still start CUDA"
+    if torch.cuda._is_compiled():
+        assert torch_says and child_exit == "3", "torch's own call poisons forks (Module.cpp: poison_fork)"
+
+
+def test_capabilities_come_from_nvml_in_cuda_s_numbering(monkeypatch):
+    class CapNVML(FakeNVML):
+        def nvmlDeviceGetCudaComputeCapability(self, h):
+            return (7, 0) if h == 2 else (9, 0)
+
+    fake = CapNVML()
+    monkeypatch.setitem(__import__("sys").modules, "pynvml", fake)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")  # CUDA's cuda:0 is NVML's GPU 2, a V100 here
+    assert devices._capabilities(2) == [(7, 0), (9, 0)] and fake.open == 0
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 2)
+    warning = devices.kernel_check(archs=CU132)
+    assert "cuda:0 (compute capability 7.0)" in warning and "9.0" not in warning, "cuda:1 (9.0) runs sm_90"

@@ -154,3 +154,61 @@ def test_a_poisoned_fork_s_own_words_get_the_backward_fix(library):
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
             assert m.find(message.encode()) >= 0, f"{library} no longer says {message!r}"
     assert "backward pass" in _hint(RuntimeError(message))
+
+
+# ---- notebook 12's children choose CUDA by the course's plan, not by NVML's count (issue 34, item 4) ----
+
+import ast  # noqa: E402
+import json  # noqa: E402
+
+# 2 GPUs that NVML counts and this torch cannot run (a driver older than its CUDA build): as on a 12.x driver with
+# the cu132 wheel. Anything that starts CUDA here fails, as it would there (this machine has no GPU at all).
+OLD_DRIVER = (
+    "import os, sys, runpy, torch, torch.cuda as c; "
+    "c._device_count_nvml = lambda: 0 if os.environ.get('CUDA_VISIBLE_DEVICES') == '' else 2; "
+    "import helpers.devices as d; d.driver_check = lambda: 'this GPU driver supports CUDA up to 12.4, but ...'; "
+)
+NB12 = ROOT / "notebooks" / "12-visible-devices.ipynb"
+
+
+def _nb12_code(start: str) -> str:
+    """The source of notebook 12's code cell that starts with ``start``."""
+    for cell in json.loads(NB12.read_text())["cells"]:
+        src = "".join(cell["source"])
+        if cell["cell_type"] == "code" and src.startswith(start):
+            return src
+    raise AssertionError(f"no cell of {NB12.name} starts with {start!r}")
+
+
+def _run_old_driver(code: str, *argv: str):
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    return subprocess.run([sys.executable, "-c", OLD_DRIVER + code, *argv], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("script", ["job.py", "late.py"])
+def test_notebook_12_scripts_start_no_cuda_on_gpus_this_torch_cannot_run(script, tmp_path):
+    body = _nb12_code("%%writefile {work}/" + script).split("\n", 1)[1]
+    (tmp_path / script).write_text(body)
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    (ready / "B").touch()  # the other job has arrived: job.py waits for it before training
+    args = ["A", "0.2", str(ready)] if script == "job.py" else []
+    run = "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    proc = _run_old_driver(run, str(tmp_path / script), *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if script == "job.py":
+        assert out["sees"] == 2 and out["device"] == "cpu" and out["uuids"] == [] and out["steps"] > 0, out
+    else:
+        assert out["gpus"] == 2 and "after" not in out, out  # torch's count says 2; the plan started no CUDA
+
+
+@pytest.mark.parametrize("cell_start, name", [("def whoami", "whoami"), ("print(\"CUDA_DEVICE_ORDER", "buses")])
+def test_notebook_12_child_functions_start_no_cuda_on_gpus_this_torch_cannot_run(cell_start, name):
+    src = _nb12_code(cell_start)
+    fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == name)
+    code = "from helpers import devices\n" + ast.get_source_segment(src, fn) + f"\nprint(repr({name}()))"
+    proc = _run_old_driver(code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() in ("None", "[]"), proc.stdout
