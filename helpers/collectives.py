@@ -12,24 +12,25 @@ import torch.distributed as dist
 
 # ---- exported from notebooks/03-collectives.ipynb: edit it there, then run `make export` ----
 def ring_all_reduce(t):
-    """Sum ``t`` over all ranks in place, as dist.all_reduce does: a ring of isend/recv, 2(W - 1) steps.
+    """Sum ``t`` over all ranks in place, as dist.all_reduce does: a ring of batched isend/irecv, 2(W - 1) steps.
 
     Introduced in notebooks/03-collectives.ipynb.
     """
     W, r = dist.get_world_size(), dist.get_rank()
     chunks = t.tensor_split(W)  # views: writing a chunk writes t
-    right, left = (r + 1) % W, (r - 1) % W
+
+    def exchange(send, recv):  # posted together, so that no rank's send waits for a receive not yet posted
+        ops = [dist.P2POp(dist.isend, send, (r + 1) % W), dist.P2POp(dist.irecv, recv, (r - 1) % W)]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+
     for step in range(W - 1):  # reduce-scatter: afterwards chunk (r + 1) % W holds the sum over all ranks
         send, recv = chunks[(r - step) % W], chunks[(r - step - 1) % W]
         incoming = torch.empty_like(recv)
-        request = dist.isend(send, dst=right)
-        dist.recv(incoming, src=left)
-        request.wait()
+        exchange(send, incoming)
         recv += incoming
     for step in range(W - 1):  # all-gather: pass the finished chunks on, so every rank ends with all of them
-        request = dist.isend(chunks[(r + 1 - step) % W], dst=right)
-        dist.recv(chunks[(r - step) % W], src=left)
-        request.wait()
+        exchange(chunks[(r + 1 - step) % W], chunks[(r - step) % W])
     return t
 
 
