@@ -29,18 +29,19 @@ from .train import full_fp32, sync
 
 
 # ---- exported from notebooks/09-model-parallel.ipynb: edit it there, then run `make export` ----
-def split_pair(split, seed, devices):
+def split_pair(split, seed, devices, dtype=torch.float32):
     """Unsplit ConvNet on the first stage's device, and a TwoStage copy. Introduced in notebooks/09-model-parallel.ipynb."""
     torch.manual_seed(seed)
-    ref = ConvNet(batch_norm=False).to(devices[0])
+    ref = ConvNet(batch_norm=False).to(devices[0], dtype)
     return ref, TwoStage(copy.deepcopy(ref), split, devices)
 
 
-def check_split(rank, world_size, x, y, *, split=4, seed=0):
-    """Split vs unsplit, and stage bytes. Introduced in notebooks/09-model-parallel.ipynb."""
+def check_split(rank, world_size, x, y, *, split=4, seed=0, dtype=torch.float32):
+    """Split vs unsplit in dtype, and stage bytes in float32. Introduced in notebooks/09-model-parallel.ipynb."""
     plan = stages.plan_stages(2)
-    with full_fp32():
-        ref, model = split_pair(split, seed, plan.devices)
+    with full_fp32():  # no TF32 where dtype is float32
+        ref, model = split_pair(split, seed, plan.devices, dtype)
+        x, fp32_model = x.to(dtype), split_pair(split, seed, plan.devices)[1]
         out_ref, out = ref(x.to(plan.devices[0])), model(x)
         F.cross_entropy(out_ref, y.to(out_ref.device)).backward()
         F.cross_entropy(out, y.to(model.output_device)).backward()  # the labels go where the output is
@@ -53,7 +54,7 @@ def check_split(rank, world_size, x, y, *, split=4, seed=0):
                 "forward_diff": (out_ref.detach().cpu() - out.detach().cpu()).abs().max().item(),
                 "grad_diff": max((ref.get_parameter(k).grad.cpu() - g).abs().max().item()
                               for k, g in model.convnet_state(grads=True).items()),
-                "memory": stages.stage_memory(model, x), "wrong_labels_error": wrong_labels_error}
+                "memory": stages.stage_memory(fp32_model, x.float()), "wrong_labels_error": wrong_labels_error}
 
 
 def pipeline_step(model, x, y, n_micro, kind="gpipe", loss_fn=F.cross_entropy):
@@ -82,11 +83,12 @@ def pipeline_step(model, x, y, n_micro, kind="gpipe", loss_fn=F.cross_entropy):
     return total
 
 
-def check_schedules(rank, world_size, x, y, *, split=4, micro_counts=(1, 2, 4), seed=0, lr=0.1):
+def check_schedules(rank, world_size, x, y, *, split=4, micro_counts=(1, 2, 4), seed=0, lr=0.1, dtype=torch.float32):
     """{(kind, M): gradient vs unsplit}, and a training step's weights. Introduced in notebooks/09-model-parallel.ipynb."""
     devices = stages.plan_stages(2).devices
-    with full_fp32():
-        ref, model = split_pair(split, seed, devices)
+    with full_fp32():  # no TF32 where dtype is float32
+        ref, model = split_pair(split, seed, devices, dtype)
+        x = x.to(dtype)
         F.cross_entropy(ref(x.to(devices[0])), y.to(devices[0])).backward()
         ref_grads = {k: p.grad.detach().cpu() for k, p in ref.named_parameters()}
         diffs = {}
@@ -109,7 +111,7 @@ def check_schedules(rank, world_size, x, y, *, split=4, micro_counts=(1, 2, 4), 
 
 # ---- exported from notebooks/10-pipelines.ipynb: edit it there, then run `make export` ----
 def pp_rank(rank, world_size, x, y, *, micro_counts=(4,), schedule="gpipe", split=4, rounds=0, seed=0,
-            scale_grads=True):
+            scale_grads=True, dtype=torch.float32):
     """One stage per rank, torch.distributed.pipelining. Introduced in notebooks/10-pipelines.ipynb."""
     # returns this stage's gradients (ConvNet's names), the last stage's losses, step times per M, its stage time
     device = stages.plan_pipeline(world_size).devices[rank]  # a GPU per stage (NCCL), else the CPU for every rank
@@ -117,7 +119,7 @@ def pp_rank(rank, world_size, x, y, *, micro_counts=(4,), schedule="gpipe", spli
     torch.manual_seed(seed)  # every rank builds the same whole model, then keeps its own stage
     net = ConvNet(batch_norm=False)
     layers = torch.nn.Sequential(*[m for _, m in stages.convnet_layers(net)])  # forward's order (notebook 09)
-    part = (layers[:split], layers[split:])[rank].to(device)  # the cut: a slice, the same modules
+    part = (layers[:split], layers[split:])[rank].to(device, dtype)  # the cut: a slice, the same modules
     Schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     pipes = {m: Schedule(PipelineStage(part, rank, world_size, device), m, loss_fn=F.cross_entropy,
                          scale_grads=scale_grads) for m in micro_counts}
@@ -126,7 +128,7 @@ def pp_rank(rank, world_size, x, y, *, micro_counts=(4,), schedule="gpipe", spli
     def step(m, losses=None):
         part.zero_grad(set_to_none=True)
         if rank == 0:
-            pipes[m].step(x.to(device))  # the first stage feeds the inputs
+            pipes[m].step(x.to(device, dtype))  # the first stage feeds the inputs
         else:
             pipes[m].step(target=y.to(device), losses=losses)  # the last holds the labels and the loss
         if device.type == "cuda":
@@ -145,14 +147,14 @@ def pp_rank(rank, world_size, x, y, *, micro_counts=(4,), schedule="gpipe", spli
         step(m)
         times[m].append(time.perf_counter() - start)
     with torch.no_grad():
-        inputs = x if rank == 0 else layers[:split](x)  # stage 1's input: stage 0's output (its CPU copy here)
+        inputs = (x if rank == 0 else layers[:split](x)).to(dtype)  # stage 1's input: stage 0's output (a CPU copy)
     own = stages.own_stage_seconds(rank, world_size, part, inputs, y if last else None, device, rounds) \
         if rounds else None
     return {"grads": grads, "losses": [t.item() for t in losses] if last else None, "times": times,
             "stage_seconds": own, "device": str(device)}
 
 
-def hybrid_steps(rank, world_size, dataset, steps, batch_size, lr, *, split=4, seed=0):
+def hybrid_steps(rank, world_size, dataset, steps, batch_size, lr, *, split=4, seed=0, dtype=torch.float32):
     """DDP over two-stage models. Introduced in notebooks/10-pipelines.ipynb."""
     # launch with init=False: the rank sets up its own group. Returns parameters (ConvNet's names), losses, samples.
     plan = stages.plan_hybrid(world_size, 2)
@@ -163,7 +165,7 @@ def hybrid_steps(rank, world_size, dataset, steps, batch_size, lr, *, split=4, s
     try:
         torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False  # full fp32 (no TF32)
         torch.manual_seed(seed)  # the same weights as the one-process reference's ConvNet
-        model = TwoStage(ConvNet(batch_norm=False), split, devices)
+        model = TwoStage(ConvNet(batch_norm=False).to(dtype), split, devices)
         ddp_model = DDP(model, device_ids=None)  # the module spans devices: DDP must not pick one
         sampler = DistributedSampler(dataset, world_size, rank, shuffle=True, seed=seed, drop_last=True)
         loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
@@ -171,7 +173,7 @@ def hybrid_steps(rank, world_size, dataset, steps, batch_size, lr, *, split=4, s
         losses = []
         for step, (xb, yb) in zip(range(steps), loader):
             opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(ddp_model(xb), yb.to(model.output_device))  # labels on the output device
+            loss = F.cross_entropy(ddp_model(xb.to(dtype)), yb.to(model.output_device))  # labels on the output device
             loss.backward()  # DDP all-reduces each gradient on its own device
             opt.step()
             losses.append(loss.item())

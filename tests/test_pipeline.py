@@ -11,6 +11,7 @@ from helpers import ddp, models, pipeline, schedules, stages
 from helpers.launch import RankFailed, launch
 
 QUIET = dict(quiet=True, progress=False)
+EXACT, TOLERANCE = torch.float64, 1e-10  # the course's equivalence rule (helpers/README.md): float64, < 1e-10
 
 
 def batch(n=24):
@@ -21,8 +22,8 @@ def batch(n=24):
 def unsplit_grads(x, y):
     def grads(rank, world_size):
         torch.manual_seed(0)
-        net = models.ConvNet(batch_norm=False)
-        torch.nn.functional.cross_entropy(net(x), y).backward()
+        net = models.ConvNet(batch_norm=False).to(EXACT)
+        torch.nn.functional.cross_entropy(net(x.to(EXACT)), y).backward()
         return {k: p.grad for k, p in net.named_parameters()}
 
     return launch(grads, 1, **QUIET)[0]
@@ -31,14 +32,14 @@ def unsplit_grads(x, y):
 def test_split_equals_unsplit_and_every_schedule_equals_it():
     x, y = batch()
     for split in (1, 4, 8, 9):
-        out = launch(functools.partial(pipeline.check_split, split=split), 1, x, y, **QUIET)[0]
-        assert out["forward_diff"] < 1e-6 and out["grad_diff"] < 1e-6, (split, out)
+        out = launch(functools.partial(pipeline.check_split, split=split, dtype=EXACT), 1, x, y, **QUIET)[0]
+        assert out["forward_diff"] < TOLERANCE and out["grad_diff"] < TOLERANCE, (split, out)
         assert out["wrong_labels_error"] is None, "both stages share a device here"
-        diffs = launch(functools.partial(pipeline.check_schedules, split=split, micro_counts=(1, 2, 3, 5, 24)), 1,
-                       x, y, **QUIET)[0]["diffs"]
+        diffs = launch(functools.partial(pipeline.check_schedules, split=split, micro_counts=(1, 2, 3, 5, 24),
+                                         dtype=EXACT), 1, x, y, **QUIET)[0]["diffs"]
         assert set(diffs) == {(k, m) for k in schedules.KINDS for m in (1, 2, 3, 5, 24)}
         for key, diff in diffs.items():
-            assert diff < 1e-6, (split, key, diff)
+            assert diff < TOLERANCE, (split, key, diff)
 
 
 def test_schedule_gradients_are_not_trivially_equal():
@@ -57,8 +58,8 @@ def test_schedule_gradients_are_not_trivially_equal():
 
 def test_a_split_training_step_equals_the_unsplit_one_and_bad_counts_are_refused():
     x, y = batch(16)
-    out = launch(functools.partial(pipeline.check_schedules, micro_counts=(1, 4)), 1, x, y, **QUIET)[0]
-    assert out["step_diff"] < 1e-6 and max(out["diffs"].values()) < 1e-6
+    out = launch(functools.partial(pipeline.check_schedules, micro_counts=(1, 4), dtype=EXACT), 1, x, y, **QUIET)[0]
+    assert out["step_diff"] < TOLERANCE and max(out["diffs"].values()) < TOLERANCE
     with pytest.raises(RankFailed, match="n_micro must be"):
         launch(functools.partial(pipeline.check_schedules, micro_counts=(4,)), 1, x[:2], y[:2], **QUIET)
 
@@ -67,10 +68,10 @@ def test_a_split_training_step_equals_the_unsplit_one_and_bad_counts_are_refused
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_torch_pipelining_on_two_ranks_equals_the_unsplit_model(schedule):
     x, y = batch(16)
-    out = launch(functools.partial(pipeline.pp_rank, micro_counts=(4, 2), schedule=schedule, rounds=2), 2, x, y,
-                 **QUIET)
+    out = launch(functools.partial(pipeline.pp_rank, micro_counts=(4, 2), schedule=schedule, rounds=2, dtype=EXACT), 2,
+                 x, y, **QUIET)
     got = {**out[0]["grads"], **out[1]["grads"]}
-    assert models.max_param_diff(unsplit_grads(x, y), got) < 1e-6, "scale_grads=True: the mean over micro-batches"
+    assert models.max_param_diff(unsplit_grads(x, y), got) < TOLERANCE, "scale_grads=True: the mean over micro-batches"
     assert out[0]["losses"] is None and len(out[1]["losses"]) == 4
     assert all(len(r["times"][m]) == 2 for r in out for m in (4, 2))
     # each rank timed its own stage on the device its stage ran on (issue: CPU pipeline vs GPU stage times)
@@ -88,16 +89,18 @@ def test_pp_rank_under_a_mocked_single_gpu_measures_pipeline_and_stages_on_the_c
 
 def test_unscaled_gradients_are_the_sum_over_micro_batches():
     x, y = batch(16)
-    out = launch(functools.partial(pipeline.pp_rank, micro_counts=(4,), scale_grads=False), 2, x, y, **QUIET)
+    out = launch(functools.partial(pipeline.pp_rank, micro_counts=(4,), scale_grads=False, dtype=EXACT), 2, x, y,
+                 **QUIET)
     ref = {k: 4 * g for k, g in unsplit_grads(x, y).items()}
-    assert models.max_param_diff(ref, {**out[0]["grads"], **out[1]["grads"]}) < 1e-5
+    assert models.max_param_diff(ref, {**out[0]["grads"], **out[1]["grads"]}) < TOLERANCE
 
 
 def test_model_and_data_parallel_equal_one_big_batch():
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(256, 1, 28, 28, generator=g), torch.randint(0, 10, (256,), generator=g))
-    out = launch(functools.partial(pipeline.hybrid_steps, split=4), 2, data, 3, 16, 0.1, init=False, **QUIET)
-    ref = launch(ddp.reference_rank, 1, data, 3, 32, 0.1, **QUIET)[0]
-    assert models.max_param_diff(out[0]["params"], ref["params"]) < 1e-5
+    out = launch(functools.partial(pipeline.hybrid_steps, split=4, dtype=EXACT), 2, data, 3, 16, 0.1, init=False,
+                 **QUIET)
+    ref = launch(functools.partial(ddp.reference_rank, dtype=EXACT), 1, data, 3, 32, 0.1, **QUIET)[0]
+    assert models.max_param_diff(out[0]["params"], ref["params"]) < TOLERANCE
     assert models.max_param_diff(out[0]["params"], out[1]["params"]) == 0.0
     assert not set(out[0]["indices"]) & set(out[1]["indices"])
