@@ -93,13 +93,13 @@ def shard(model, mesh, *, reshard_after_forward=None, param_dtype=None):
     return model
 
 
-def sharded_model(width, blocks, mesh, device, *, seed=0, **shard_kw):
-    """BlockStack built on the meta device, sharded, given storage for this rank's slices, and initialised.
+def sharded_model(width, blocks, mesh, device, *, seed=0, dtype=torch.float32, **shard_kw):
+    """BlockStack built on the meta device in `dtype`, sharded, given storage for this rank's slices, initialised.
 
     Introduced in notebooks/15-fsdp.ipynb.
     """
     with torch.device("meta"):
-        model = BlockStack(width, blocks)  # shapes only, whatever the size
+        model = BlockStack(width, blocks).to(dtype)  # shapes only, whatever the size
     shard(model, mesh, **shard_kw)  # DTensor parameters, still on meta
     model.to_empty(device=device)  # this rank's slices only, contents arbitrary
     torch.manual_seed(seed)
@@ -121,13 +121,13 @@ def train_step(model, optimizer, x, y):
     return loss.detach()
 
 
-def rank_slice(dataset, batches, k, rank, world_size, device):
-    """This rank's equal slice of global batch k (row k of `batches`).
+def rank_slice(dataset, batches, k, rank, world_size, device, dtype=None):
+    """This rank's equal slice of global batch k (row k of `batches`), the images cast to `dtype` if given.
 
     Introduced in notebooks/15-fsdp.ipynb.
     """
     b = batches.shape[1] // world_size
     images, labels = dataset.tensors
     idx = batches[k, rank * b:(rank + 1) * b]
-    return images[idx].to(device), labels[idx].to(device)
+    return images[idx].to(device, dtype), labels[idx].to(device)
 # ---- end of export from notebooks/15-fsdp.ipynb ----

@@ -70,3 +70,50 @@ def test_rank_slice_cuts_a_global_batch_into_equal_parts():
     batches = torch.tensor([[5, 4, 3, 2]])
     x, y = fsdp.rank_slice(dataset, batches, 0, 1, 2, torch.device("cpu"))
     assert y.tolist() == [3, 2] and torch.equal(x, images[[3, 2]])
+
+
+# ---- the plan each notebook's launches get on a machine with GPUs (mocked): CPU ranks must get gloo ----
+
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# in a child, for each number of usable GPUs as helpers.devices counts them (NVML and its checks stand aside, the
+# data stays unloaded): notebook {nb}'s parameters cell, then the plan each of its launches gets with its arguments
+PLANS_ON_GPUS = """
+import json, helpers.data, helpers.devices as devices
+helpers.data.get_datasets = lambda *args, **kwargs: (None, None)
+cells = json.load(open({nb!r}))["cells"]
+cell = "".join(next(c["source"] for c in cells if c["cell_type"] == "code" and "ON_CPU =" in "".join(c["source"])))
+for n in (1, 2, 3):
+    devices._usable = lambda: (n, None)
+    ns = {{}}
+    exec(cell, ns)
+    sizes = {{ns["W"], 1}} if "W" in ns else {{ns["SAVE_W"], *ns["LOAD_WS"]}}
+    print(json.dumps({{"gpus": n, "on_cpu": ns["ON_CPU"], "plain": devices.plan(2).backend,
+                      "backends": sorted({{devices.plan(w, backend=ns["QUIET"].get("backend")).backend for w in sizes}})}}))
+"""
+
+
+def plans_on_gpus(notebook: Path) -> list[dict]:
+    env = dict(os.environ, SMOKE_TEST="1", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", PLANS_ON_GPUS.format(nb=str(notebook))], env=env,
+                         cwd=ROOT / "notebooks", capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize("notebook", ["15-fsdp", "16-distributed-checkpoints"])
+def test_cpu_ranks_get_gloo_whatever_the_number_of_gpus(notebook):
+    """On 2 GPUs notebook 16 runs its ranks on the CPU (3 ranks would share one), yet a plain launch of 2 would plan
+    NCCL: init_device_mesh("cpu", ...) then sits on an NCCL-only group and the first CPU collective fails ("No backend
+    type associated with device type cpu"). Every launch must pass backend="gloo" whenever ON_CPU."""
+    plans = plans_on_gpus(ROOT / "notebooks" / f"{notebook}.ipynb")
+    assert [p["gpus"] for p in plans] == [1, 2, 3]
+    for p in plans:
+        assert p["plain"] == ("nccl" if p["gpus"] >= 2 else "gloo"), p  # the mocked GPUs are seen
+        assert p["backends"] == ["gloo" if p["on_cpu"] else "nccl"], p  # CPU ranks: gloo; a GPU per rank: NCCL
