@@ -11,13 +11,16 @@ which is why DDP can wrap it at all.
 Keras picks its backend once, at its first import, from ``KERAS_BACKEND``:
 ``keras_torch()`` sets it (unless already set) and checks what Keras chose,
 and this module imports Keras only through it, so importing ``helpers`` never
-fixes the backend behind a learner's back.
+fixes the backend behind a learner's back. It also keeps TensorFlow out where it
+is installed (Kaggle, Colab): Keras would import it to seed and to save a model,
+in the notebook and in every rank (``seed_all``; tests/test_keras_ddp.py).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -50,7 +53,35 @@ def keras_torch():
     if keras.backend.backend() != "torch":  # imported earlier, before the variable was set
         raise RuntimeError(f"Keras was imported with the {keras.backend.backend()!r} backend before KERAS_BACKEND "
                            "was set; the backend cannot change after the first import: restart the kernel")
+    from keras.src.utils import module_utils
+
+    if "tensorflow" not in sys.modules:  # keep it out: saving a model asks `tf.available`, which imports all of
+        module_utils.tensorflow._available = False  # TensorFlow wherever it is installed (serialization_lib.py)
     return keras
+
+
+def seed_all(seed: int) -> None:
+    """Seed what ``keras.utils.set_random_seed`` seeds on the torch backend, without importing TensorFlow.
+
+    ``set_random_seed`` (keras/src/utils/rng_utils.py) also calls ``tf.random.set_seed`` wherever TensorFlow is
+    installed (Kaggle, Colab), which imports all of TensorFlow into the notebook and into every rank for a seed the
+    torch backend never reads. This sets the rest: Python's ``random`` (Keras draws each layer's initializer and
+    Dropout seed from it), NumPy's and torch's generators, and Keras's global seed, whose ``SeedGenerator`` is dropped
+    so that Keras rebuilds it from the new seed, as ``set_random_seed`` does.
+    Introduced in notebooks/18-keras-on-torch.ipynb.
+    """
+    import numpy as np
+    from keras.src.backend.common import global_state
+    from keras.src.random import seed_generator
+    from keras.src.utils import rng_utils
+
+    if not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, not {seed!r}")
+    global_state.set_global_attribute(rng_utils.GLOBAL_RANDOM_SEED, seed)
+    global_state.set_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR, None)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def channels_last(dataset: TensorDataset) -> TensorDataset:
@@ -136,7 +167,7 @@ def get_model(dropout: float = 0.5, seed: int = 0):
     """The Keras guide's convnet; equal seeds give equal weights. Introduced in notebooks/18-keras-on-torch.ipynb."""
     keras = keras_torch()
     layers = keras.layers
-    keras.utils.set_random_seed(seed)
+    seed_all(seed)  # keras.utils.set_random_seed's seeds, without its `import tensorflow`
     inputs = keras.Input(shape=(28, 28, 1))
     x = layers.Conv2D(filters=12, kernel_size=3, padding="same", use_bias=False, name="conv1")(inputs)
     x = layers.BatchNormalization(scale=False, center=True, name="bn1")(x)
