@@ -92,11 +92,13 @@ def _answer(fn, args, conn) -> None:
 
 
 def cuda_canary(device, timeout: float = 60.0) -> str | None:
-    """Fork a child that starts CUDA on ``device``: None if it could, else its error, in words.
+    """Fork a child that starts CUDA on ``device`` and runs one tiny kernel: None if it could, else its error.
 
     A fork after CUDA work in the parent, or after a backward pass there, leaves
-    children unable to start CUDA while the parent still looks clean; this finds
-    out before any rank is forked.
+    children unable to start CUDA while the parent still looks clean; a GPU that
+    the torch build has no code for (a V100 under the CUDA 13 wheels) starts CUDA
+    and allocates, then fails at its first kernel ("no kernel image is available").
+    It finds out both before any rank is forked.
     Machinery behind launch; no notebook calls it directly.
     """
     try:
@@ -111,8 +113,12 @@ def _start_cuda(device) -> str | None:
     import torch
 
     try:
-        torch.cuda.set_device(device)
-        torch.empty(1, device=device)
+        device = torch.device(device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        # a kernel, not just an allocation (torch.empty runs none); .item() waits for it, so an error it raises
+        # on the GPU is raised here
+        (torch.ones(1, device=device) + 1).item()
         return None
     except BaseException as err:  # every failure is the answer
         return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
