@@ -225,9 +225,9 @@ def kernel_check(capabilities: list | None = None, archs: list[str] | None = Non
     ``_check_capability`` and ``_CompatInterval`` in torch/cuda/__init__.py; torch also
     excepts Jetson's integrated GPUs, which this does not); PTX ``compute_XY`` is compiled by
     the driver for X.Y and every later GPU. A GPU with neither (a P100 or V100 under the
-    13.x wheels) passes launch's canary, which runs no kernel, and then fails in the ranks
-    with "no kernel image is available for execution on the device".
-    Machinery behind devices.plan; no notebook calls it directly.
+    13.x wheels) starts CUDA and allocates, then fails at its first kernel (launch's canary
+    runs one and refuses it) with "no kernel image is available for execution on the device".
+    Introduced in notebooks/00-check-environment.ipynb.
     """
     if torch.version.cuda is None:
         return None  # a CPU or ROCm build: no CUDA arch list to compare (torch's own check skips ROCm too)

@@ -99,7 +99,8 @@ POISON_FIX = (
     "The usual cause: this kernel ran a backward pass (autograd) before forking, even on the CPU; the autograd "
     "engine then asks the CUDA driver about the GPUs, and a child forked after that cannot initialise CUDA. "
     "Fix: restart the kernel, and run all training (references and baselines too) inside the function you "
-    "launch; for one process use launch(fn, 1)."
+    "launch; for one process use launch(fn, 1). If the error says 'no kernel image is available', this torch has "
+    "no GPU code for this GPU instead: see helpers.devices.kernel_check() (notebook 00)."
 )
 
 
