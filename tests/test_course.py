@@ -247,3 +247,43 @@ def test_a_notebook_opened_without_the_course_says_where_to_install_it(path, mon
         exec(compile(ast.Module([guard], []), path.name, "exec"), {})
     route = re.search(r"'([^']+)'\)", str(e.value)).group(1)
     assert "README.md" in str(e.value) and f"## {route}" in (ROOT / "README.md").read_text(), str(e.value)
+
+
+# The equivalence rule (helpers/README.md): an "equals one process" check compares float64 runs at 1e-10, or one step
+# where float64 cannot run, and tests/test_equivalence_NN.py reruns it with perturbed rounding (tests/perturb.py).
+EXACT_CHECK = re.compile(r"assert [^\n]*<\s*(1e-10|TOL)\b")
+FLOAT32_ERA = re.compile(r"assert [^\n]*\b\w*(diff|gap)\w*\s*<=?\s*1e-[3-9]\b")
+
+
+def _equivalence_findings(path: Path, tests_dir: Path) -> list[str]:
+    """What breaks the equivalence rule in one notebook: float32-era bounds, exact checks with no perturbation test."""
+    found, text = [], ""
+    for c in cells(path):
+        src = "".join(c["source"])
+        if c["cell_type"] == "markdown":
+            text = src  # the argument sits in the markdown just before the check
+            continue
+        for m in FLOAT32_ERA.finditer(src):
+            if "one step" not in (text + src).lower():
+                found.append(f"a diff/gap bounded at float32's scale with no one-step argument: {m.group(0)[:80]}")
+        if EXACT_CHECK.search(src):
+            test = tests_dir / f"test_equivalence_{path.name[:2]}.py"
+            if not test.exists() or "ROUNDINGS" not in test.read_text():
+                found.append(f"an exact check with no {test.name} rerunning it over perturb.ROUNDINGS")
+    return sorted(set(found))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_equivalence_check_holds_by_construction_and_is_rerun_perturbed(path):
+    assert not _equivalence_findings(path, ROOT / "tests")
+
+
+def test_the_equivalence_rule_catches_a_float32_bound_and_a_missing_perturbation_test(tmp_path):
+    tests_dir = tmp_path / "tests"
+    tests_dir.mkdir()
+    old = _tiny_notebook(tmp_path, "diff = 0.0\nassert diff < 1e-4  # float32 precision\n")
+    assert any("float32's scale" in f for f in _equivalence_findings(old, tests_dir))
+    exact = _tiny_notebook(tmp_path, "diff = 0.0\nassert diff < 1e-10\n")
+    assert any("perturb.ROUNDINGS" in f for f in _equivalence_findings(exact, tests_dir))
+    (tests_dir / "test_equivalence_00.py").write_text("from perturb import ROUNDINGS\n")
+    assert _equivalence_findings(exact, tests_dir) == []
