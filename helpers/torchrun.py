@@ -37,6 +37,9 @@ def torchrun_command(script_args, *, nproc: int = 1, nnodes: int = 1, node_rank:
     the agents are ranked by sorting them by host name, then process id (not by
     join order; ``--node-rank`` is ignored); with ``rdzv="static"`` the
     ``--node_rank`` given is kept (``--master-addr/--master-port``).
+    With ``max_restarts``, run it with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+    in ``run``'s ``env`` (a store per attempt; scripts/train_ddp.py refuses
+    restarts without it).
     Introduced in notebooks/13-torchrun-and-clusters.ipynb.
     """
     cmd = [python, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
@@ -231,9 +234,10 @@ def sbatch_dry_run(nodes: int, gpus_per_node: int, *, path=SBATCH, job_id: int =
     """Run the sbatch file with stand-ins for Slurm: ``{'syntax': bash -n verdict, 'node0': argv, ...}``.
 
     Slurm's variables are set as for a ``nodes`` x ``gpus_per_node`` job; a
-    fake ``scontrol`` lists the hosts and a fake ``srun`` prints the command
-    each node's task would run (with ``SLURM_NODEID`` set per node), so
-    what a real cluster would start can be read without one.
+    fake ``scontrol`` lists the hosts and a fake ``srun`` prints the srun
+    command each node would run, with the variables that torchrun and its
+    workers read in front (``SLURM_NODEID`` set per node), so what a real
+    cluster would start can be read without one.
     Introduced in notebooks/13-torchrun-and-clusters.ipynb.
     """
     import shlex
@@ -247,8 +251,11 @@ def sbatch_dry_run(nodes: int, gpus_per_node: int, *, path=SBATCH, job_id: int =
     hosts = [f"gpu-node-{i + 1:02d}" for i in range(nodes)]
     with tempfile.TemporaryDirectory() as fake:
         Path(fake, "scontrol").write_text("#!/bin/bash\nprintf '%s\\n' " + " ".join(hosts) + "\n")
-        # srun would start one task per node; here each "task" just prints its argv, one argument a line
-        Path(fake, "srun").write_text('#!/bin/bash\nshift\nprintf "%s\\n" "$@"\n')
+        # srun would start one task per node; here each "task" prints two variables that torchrun and its workers
+        # read from the job's environment, then srun's own options and the task's argv, one word a line
+        Path(fake, "srun").write_text('#!/bin/bash\nprintf "%s\\n" "TORCH_DISABLE_SHARE_RDZV_TCP_STORE='
+                                      '${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-}" "OMP_NUM_THREADS=${OMP_NUM_THREADS:-}" '
+                                      'srun "$@"\n')
         for name in ("scontrol", "srun"):
             Path(fake, name).chmod(0o755)
         env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}",

@@ -3,6 +3,10 @@
 
     torchrun --standalone --nproc_per_node=2 scripts/train_ddp.py --epochs 1 --checkpoint run.pt --save-every 50
 
+    # with --max-restarts, in torchrun's (the agent's) environment: each restart gets a store of its own
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
+        --max-restarts=3 --nproc_per_node=4 scripts/train_ddp.py --checkpoint run.pt --save-every 50
+
 Every rank reads RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from
 torchrun's environment; NCCL when every rank of this node has its own GPU,
 gloo otherwise. The model, the data search, the sampler and the step loop are
@@ -10,7 +14,9 @@ gloo otherwise. The model, the data search, the sampler and the step loop are
 ``--checkpoint`` rank 0 saves atomically every ``--save-every`` steps and at
 the end, and a start finds the file and resumes from the step saved there, so
 that a run restarted at any point ends with exactly the parameters of an
-uninterrupted one (CPU, same world size). Introduced in notebooks/13-torchrun-and-clusters.ipynb.
+uninterrupted one (CPU, same world size). ``--dtype float64`` makes runs
+comparable to 1e-10 where float32's rounding could tell them apart (GPUs).
+Introduced in notebooks/13-torchrun-and-clusters.ipynb.
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=None, help="train on the first N images only")
     p.add_argument("--smoke", action="store_true", help="a small prefix of the data (what CI runs)")
     p.add_argument("--batch-norm", action="store_true", help="ConvNet with BatchNorm (04's runs use none)")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                   help="weights and images; float64 to compare runs exactly (notebook 13)")
     p.add_argument("--checkpoint", type=Path, default=None, help="save here; resume from here when it exists")
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (0: only at the end)")
     p.add_argument("--log-every", type=int, default=10, help="rank 0 prints a progress line every N steps")
@@ -85,7 +93,8 @@ def load_data(args) -> TensorDataset:
     limit = data.SMOKE_SIZES["train"] if args.smoke else args.limit
     if args.smoke and args.limit is not None:
         limit = min(limit, args.limit)
-    return TensorDataset(*data.load_split("fashion", "train", args.data, limit))
+    images, labels = data.load_split("fashion", "train", args.data, limit)
+    return TensorDataset(images.to(getattr(torch, args.dtype)), labels)  # the model's dtype: no cast per step
 
 
 def init_distributed(timeout: float, backend: str = "auto") -> tuple[int, int, torch.device]:
@@ -97,21 +106,28 @@ def init_distributed(timeout: float, backend: str = "auto") -> tuple[int, int, t
     device, backend = plan.devices[local_rank], plan.backend
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if "RANK" not in os.environ:  # plain `python train_ddp.py`: one process, no rendezvous needed
-        store, rank, world = dist.HashStore(), 0, 1
-    else:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        # each restart attempt gets keys of its own: a restarted group that reused the first attempt's keys
-        # failed or hung in about half the tries on a busy 2-core machine
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                             timeout=timedelta(seconds=timeout))
-        store = dist.PrefixStore(f"attempt_{attempt}", base)
     # device_id binds NCCL to this worker's GPU from the start (without it barrier() guesses and warns)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout),
-                            device_id=device if backend == "nccl" else None)
+    device_id = device if backend == "nccl" else None
+    if "RANK" not in os.environ:  # plain `python train_ddp.py`: one process, no rendezvous needed
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
+    else:  # torchrun: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT come from the environment (env://)
+        check_restartable()
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout), device_id=device_id)
     # <<< set-up
-    return rank, world, device
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), device
+
+
+def check_restartable() -> None:
+    """Refuse restarts on torchrun's shared store: a restarted group would meet the keys of the previous one."""
+    # The agent's TCPStore outlives the workers (dynamic_rendezvous.py, next_rendezvous), so a restarted group
+    # would find the last group's keys; with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 every rendezvous round gets a
+    # fresh MASTER_PORT and rank 0 serves a new store there. TORCHELASTIC_RESTART_COUNT cannot name the attempt:
+    # it counts per agent, and an agent that restarts for another node's failure does not count it.
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and \
+            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise SetupError("--max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment "
+                         "(a restarted group would meet the previous group's keys in torchrun's shared store); "
+                         "with a static rendezvous (--master-addr) this script cannot restart")
 
 
 def save(args, model, opt, step, epoch, in_epoch, rank, world) -> None:
@@ -119,7 +135,8 @@ def save(args, model, opt, step, epoch, in_epoch, rank, world) -> None:
     dist.all_gather_object(rngs, checkpoint.rng_state())  # every rank's generators, in rank 0's file
     if rank == 0:  # one writer; save() writes a temporary file and renames it, so a kill never leaves half
         checkpoint.save(args.checkpoint, model, opt, step=step, epoch=epoch, step_in_epoch=in_epoch,
-                        world_size=world, seed=args.seed, batch_size=args.batch_size, lr=args.lr, rng=rngs)
+                        world_size=world, seed=args.seed, batch_size=args.batch_size, lr=args.lr, dtype=args.dtype,
+                        rng=rngs)
     dist.barrier()  # nobody moves on (or dies happily) before the file is complete
 
 
@@ -129,8 +146,8 @@ def resume(args, model, opt, device, rank, world) -> tuple[int, int, int]:
     if args.checkpoint is None or not args.checkpoint.exists():
         return 0, 0, 0
     state = checkpoint.load(args.checkpoint, model, opt, map_location=device)  # onto this worker's own device
-    mine = dict(world_size=world, seed=args.seed, batch_size=args.batch_size, lr=args.lr)
-    theirs = {k: state[k] for k in mine}
+    mine = dict(world_size=world, seed=args.seed, batch_size=args.batch_size, lr=args.lr, dtype=args.dtype)
+    theirs = {k: state.get(k) for k in mine}  # a file from before --dtype has none: refused, not a KeyError
     if theirs != mine:
         raise SetupError(f"{args.checkpoint} was written by a run with {theirs}; this run has {mine}: "
                          "its steps would differ. Use another --checkpoint path, or the same settings")
@@ -141,7 +158,7 @@ def resume(args, model, opt, device, rank, world) -> tuple[int, int, int]:
 
 def train(args, dataset, rank, world, device) -> dict:
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
-    model = ConvNet(batch_norm=args.batch_norm).to(device)
+    model = ConvNet(batch_norm=args.batch_norm).to(device, getattr(torch, args.dtype))
     ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     sampler = shard_sampler(dataset, rank, world, args.seed)
@@ -150,8 +167,8 @@ def train(args, dataset, rank, world, device) -> dict:
         raise SetupError(f"{len(dataset)} images cannot give {world} ranks a batch of {args.batch_size} each")
     total = args.epochs * per_epoch if args.steps is None else min(args.steps, args.epochs * per_epoch)
     step, epoch, in_epoch = resume(args, ddp, opt, device, rank, world)
-    env = {k: os.environ.get(k, "-") for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE",
-                                                "TORCHELASTIC_RESTART_COUNT")}
+    env = {k: os.environ.get(k, "-") for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "MASTER_PORT",
+                                                "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE")}
     # one write for the whole line: the workers of a node share one output, and print's two writes could interleave
     print(f"[rank {rank}] pid {os.getpid()} " + " ".join(f"{k}={v}" for k, v in env.items()) + "\n", end="",
           flush=True)
@@ -176,6 +193,7 @@ def train(args, dataset, rank, world, device) -> dict:
                 print(f"[rank 0] step {step}/{total} epoch {epoch + 1} loss {loss.item():.4f}", flush=True)
             if args.save_every and step % args.save_every == 0 and step < total:
                 save(args, ddp, opt, step, *divmod(step, per_epoch), rank, world)
+            hold_for_a_test(step, first)
 
         train_one_epoch(ddp, loader, opt, device, max_steps=min(per_epoch - in_epoch, total - step),
                         on_step=on_step)
@@ -190,6 +208,14 @@ def train(args, dataset, rank, world, device) -> dict:
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
+def hold_for_a_test(step: int, first: int) -> None:
+    """Test hook (tests/test_restart_two_nodes.py): with TRAIN_DDP_HOLD_AFTER=K, an attempt that started from
+    scratch stops after step K (and its save) and sleeps until it is killed: outside any collective."""
+    if first == 0 and step == int(os.environ.get("TRAIN_DDP_HOLD_AFTER", "0") or 0):
+        print(f"[rank {os.environ.get('RANK', '0')}] holding after step {step}\n", end="", flush=True)
+        time.sleep(3600)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -201,7 +227,7 @@ def main(argv=None) -> int:
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     try:
         rank, world, device = init_distributed(args.timeout, args.backend)
-    except ValueError as e:  # the planner refusing --backend nccl without a GPU per rank
+    except (ValueError, SetupError) as e:  # the planner refusing --backend nccl without a GPU per rank; restarts
         print(f"train_ddp.py: error: {e}", file=sys.stderr, flush=True)
         return 2
     try:

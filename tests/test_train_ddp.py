@@ -73,10 +73,12 @@ def test_worker_killed_mid_run_restarts_and_ends_equal(reference, tmp_path):
     path = tmp_path / "restart.pt"
     killer = torchrun.kill_worker_after("step 10/", index=1)
     cmd = torchrun.torchrun_command(ARGS + ["--checkpoint", path, "--pause", 0.2], nproc=2, max_restarts=1)
-    out = torchrun.run({"node": cmd}, timeout=180, echo=False, on_line=killer)
+    out = torchrun.run({"node": cmd}, timeout=180, echo=False, on_line=killer,
+                       env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     assert len(killer.killed) == 1, "no worker was killed"
     text = out["node"].text
     assert "TORCHELASTIC_RESTART_COUNT=1" in text and "resumed at step" in text
+    assert "TORCHELASTIC_USE_AGENT_STORE=False" in text, "each attempt's rank 0 serves a store of its own"
     _assert_equal(reference["params"], _params(path))
     assert not _script_processes(path)
 
@@ -201,8 +203,10 @@ def test_sbatch_dry_run_renders_one_torchrun_per_node(tmp_path):
     out = torchrun.sbatch_dry_run(2, 4)
     assert out["syntax"] == "ok" and set(out) == {"syntax", "node0", "node1"}
     assert out["node0"] == out["node1"], "every node runs the same command; c10d hands out the ranks"
-    for part in ("--nnodes=2", "--nproc-per-node=4", "--rdzv-endpoint=gpu-node-01:29500", "scripts/train_ddp.py"):
+    for part in ("--nnodes=2", "--nproc-per-node=4", "--rdzv-endpoint=gpu-node-01:29500", "scripts/train_ddp.py",
+                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "srun --kill-on-bad-exit=1 --cpus-per-task=16 "):
         assert part in out["node0"]
+    assert "export SRUN_CPUS_PER_TASK" not in torchrun.SBATCH.read_text(), "Slurm 23.11 reads SLURM_CPUS_PER_TASK"
     broken = tmp_path / "broken.sbatch"
     broken.write_text("#!/bin/bash\nif true; then\n")
     assert torchrun.sbatch_dry_run(2, 4, path=broken)["syntax"] != "ok"
@@ -224,6 +228,21 @@ def test_init_passes_device_id_under_nccl_only(monkeypatch, gpus):
     rank, world, device = script.init_distributed(timeout=5.0)
     assert (rank, world, device) == (0, 1, devices_[1])
     assert seen["device_id"] == (torch.device("cuda", 1) if gpus else None), seen
+
+
+@pytest.mark.parametrize("shared, restarts, refused", [
+    ("True", "1", True), ("False", "1", False), ("True", "0", False),
+])
+def test_restarts_on_torchruns_shared_store_are_refused(monkeypatch, shared, restarts, refused):
+    # the agent's store outlives the workers: a restarted group would meet the last group's keys
+    script = _script_module()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", shared)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", restarts)
+    if refused:
+        with pytest.raises(script.SetupError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+            script.check_restartable()
+    else:
+        script.check_restartable()
 
 
 def test_marked_parts_the_notebook_prints_are_there():
