@@ -140,9 +140,14 @@ HINTS = [
     (("Watchdog caught collective operation timeout",),
      "a collective (all_reduce, barrier) waited past its timeout: usually some rank skipped it, took another "
      "branch or died. Rerun with NCCL_DEBUG=INFO and TORCH_DISTRIBUTED_DEBUG=INFO to see which."),
+    # bf16 on a GPU below compute capability 8.0 (T4, V100) never gets here: torch skips cuDNN for bf16
+    # convolutions there (ConvParams::use_cudnn, aten/src/ATen/native/Convolution.cpp, asks
+    # supportsBFloat16ConvolutionWithCuDNNv8, true from 8.0) and runs its own kernels, slowly
     (("unable to find an engine to execute this computation", "CUDNN_STATUS_NOT_SUPPORTED"),
-     "cuDNN has no kernel for this convolution in this precision; on GPUs before Ampere (T4, V100, RTX 20xx) "
-     "there are no bf16 convolutions: train in fp16 with torch.amp.GradScaler, or in fp32."),
+     "cuDNN has no kernel for this convolution with these sizes, memory layout and precision: try another "
+     "precision (fp32, or fp16 with torch.amp.GradScaler), or set torch.backends.cudnn.enabled = False in the rank "
+     "function to run torch's own kernels (slower). bf16 on a GPU before Ampere (T4, V100) does not fail this way: "
+     "it runs, slowly, without cuDNN; those GPUs train faster in fp16."),
     (("were not used in producing loss",),
      "some parameters took no part in the loss, so DDP waited for their gradients: make every parameter take "
      "part in each step, or wrap with DDP(model, find_unused_parameters=True) (slower); "

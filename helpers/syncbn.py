@@ -52,8 +52,8 @@ class CPUSyncBatchNorm(nn.BatchNorm2d):
         if isinstance(module, nn.BatchNorm2d) and not isinstance(module, cls):
             new = cls(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
             tensors = [*module.parameters(), *module.buffers()]
-            if tensors:
-                new = new.to(tensors[0].device)
+            if tensors:  # the module's device and floating dtype (float64 in notebook 06's exact checks)
+                new = new.to(tensors[0].device, tensors[0].dtype)
             new.load_state_dict(module.state_dict())
             new.train(module.training)
             return new

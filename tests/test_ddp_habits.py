@@ -66,6 +66,9 @@ def test_convert_sync_batchnorm_swaps_every_batchnorm_and_keeps_its_state():
     assert torch.all(converted.layer1[1].running_mean == 0.5) and not converted.layer1[1].training
     bn = nn.BatchNorm2d(4)
     assert isinstance(syncbn.CPUSyncBatchNorm.convert_sync_batchnorm(bn), syncbn.CPUSyncBatchNorm)
+    # a float64 model stays float64: float32 BatchNorm weights fail notebook 06's float64 check (test_equivalence_06)
+    wide = syncbn.CPUSyncBatchNorm.convert_sync_batchnorm(models.ConvNet().double())
+    assert {t.dtype for t in [*wide.parameters(), *wide.buffers()] if t.is_floating_point()} == {torch.float64}
     # torch's own conversion, which the notebook calls on GPU ranks, needs no GPU to convert
     gpu = nn.SyncBatchNorm.convert_sync_batchnorm(models.ConvNet())
     assert sum(isinstance(m, nn.SyncBatchNorm) for m in gpu.modules()) == 2

@@ -24,7 +24,7 @@ def test_a_cpu_offers_bf16_only_with_bf16_instructions(tmp_path, monkeypatch):
     for text, expected in ((NO_BF16, ["fp32"]), (WITH_BF16, ["fp32", "bf16"])):
         (tmp_path / "cpuinfo").write_text(text)
         monkeypatch.setenv("MULTIGPU_CPUINFO", str(tmp_path / "cpuinfo"))
-        assert amp.precisions("cpu") == expected, "fp16 autocast on a CPU is emulated: never offered there"
+        assert amp.precisions("cpu") == expected, "fp16 on GPUs only: x86 CPUs emulate it, bar those with AVX512-FP16, which have bf16 too"
 
 
 def test_a_gpu_offers_bf16_from_compute_capability_8_and_always_fp16(monkeypatch):
