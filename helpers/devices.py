@@ -393,8 +393,9 @@ def has_bf16(device) -> bool:
     """True when ``device`` has bfloat16 hardware: a CPU with BF16 instructions, a GPU of compute capability ≥ 8.0.
 
     ``torch.cuda.is_bf16_supported()`` answers True on a T4, V100 or RTX 20xx too (it counts emulation, and it
-    starts CUDA in the notebook); cuDNN has no bf16 convolutions there, so a bf16 ConvNet fails. Those GPUs
-    train in fp16 with a GradScaler. An unreadable capability counts as no bf16.
+    starts CUDA in the notebook). A bf16 ConvNet runs there, but slowly: torch skips cuDNN for bf16 convolutions
+    below compute capability 8.0 (``ConvParams::use_cudnn``, aten/src/ATen/native/Convolution.cpp) and runs its own
+    kernels. Those GPUs train faster in fp16 with a GradScaler. An unreadable capability counts as no bf16.
     Introduced in notebooks/07-large-batch.ipynb.
     """
     device = torch.device(device)

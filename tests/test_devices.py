@@ -214,7 +214,7 @@ def test_cpu_bf16_is_read_from_the_cpu_flags(tmp_path):
 @pytest.mark.parametrize("capability, expect", [((7, 5), False), ((7, 0), False), ((8, 0), True), ((9, 0), True),
                                                 (None, False)])
 def test_bf16_is_offered_only_on_gpus_that_have_it(monkeypatch, capability, expect):
-    # a T4 (7.5) or V100 (7.0): torch.cuda.is_bf16_supported() says True there, cuDNN has no bf16 convolutions
+    # a T4 (7.5) or V100 (7.0): torch.cuda.is_bf16_supported() says True there; torch runs bf16 convolutions without cuDNN, slowly
     monkeypatch.setattr(devices, "gpu_capability", lambda index: capability)
     assert devices.has_bf16(torch.device("cuda", 0)) is expect
     assert devices.has_bf16("cuda:1") is expect

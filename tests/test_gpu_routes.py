@@ -74,7 +74,7 @@ GPU_MESSAGES = {
     "watchdog": (dist.DistBackendError("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, "
                                        "OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for "
                                        "600015 milliseconds before timing out."), "skipped it"),
-    "cudnn-bf16": (RuntimeError("GET was unable to find an engine to execute this computation"),
+    "cudnn-engine": (RuntimeError("GET was unable to find an engine to execute this computation"),
                    "fp16 with torch.amp.GradScaler"),
 }
 
