@@ -68,20 +68,3 @@ def ratio(a: float, b: float) -> float:
     if b <= 0:
         raise ValueError(f"cannot divide by {b}")
     return a / b
-
-
-def verdict(value: float, cases, otherwise: str, **fields) -> str:
-    """The one sentence a measured ``value`` earns: the first ``(bound, sentence)`` with ``value < bound``.
-
-    ``cases`` are ``(upper bound, sentence)`` pairs in increasing order; ``otherwise`` is for values at or above
-    the last bound. Sentences are ``str.format``-ed with ``value`` and ``fields``, so the number printed is the
-    number that chose the words:
-    ``verdict(r, [(0.9, "slower: {value:.2f}x"), (1.1, "about the same ({value:.2f}x)")], "faster: {value:.2f}x")``.
-    The general explanation belongs in the notebook's markdown; this picks the measured line.
-    Introduced in notebooks/01-single-gpu.ipynb.
-    """
-    bounds = [b for b, _ in cases]
-    if bounds != sorted(bounds):
-        raise ValueError(f"bounds must increase, got {bounds}")
-    sentence = next((s for bound, s in cases if value < bound), otherwise)
-    return sentence.format(value=value, **fields)

@@ -8,7 +8,7 @@ README's table. A time is written only from a run that finished without an error
 Run it on a machine with nothing else running. The 1-minute load average printed before each notebook still counts
 the previous notebook's own ranks (1–2 on 2 cores is normal); well above the core count, other jobs shared the
 machine and the times are longer than a learner's. The executed copies are kept (``--keep DIR``) so every printed
-verdict can be read against its number.
+number can be read against the text beside it.
 
     python scripts/time_notebooks.py [--only 04 05] [--keep /tmp/full] [--dry-run]
 """

@@ -167,15 +167,6 @@ def test_a_step_skipped_by_the_grad_scaler_does_not_advance_the_schedule():
     assert scaler.get_scale() == 2.0**7, "the scaler halved its scale at the overflow"
 
 
-def test_verdict_picks_the_sentence_by_the_number():
-    cases = [(0.9, "slower: {value:.2f}x"), (1.1, "about the same ({value:.2f}x) on {where}")]
-    assert bench.verdict(0.5, cases, "faster", where="cpu") == "slower: 0.50x"
-    assert bench.verdict(0.9, cases, "faster", where="cpu") == "about the same (0.90x) on cpu"
-    assert bench.verdict(1.1, cases, "faster: {value:.1f}x", where="cpu") == "faster: 1.1x"
-    with pytest.raises(ValueError, match="increase"):
-        bench.verdict(1.0, cases[::-1], "x")
-
-
 def test_the_loop_and_the_model_are_the_ones_written_in_notebook_01():
     """train_one_epoch, evaluate and ConvNet are exported from 01's cells (scripts/export.py): the same text."""
     import inspect
