@@ -319,3 +319,48 @@ def test_the_page_rule_catches_a_verdict_and_a_seventh_idea(tmp_path):
     nb.write_text(json.dumps(data))
     found = _page_findings(nb)
     assert any("verdict template" in f for f in found) and any("7 bullets" in f for f in found)
+
+
+# Issue 37: a lesson cell uses torch's public API. Where an internal matters, the page links its source line instead
+# of calling it: no `torch..._name` (attribute or module), no `from torch... import _name`, on any name bound to a
+# torch import in that notebook (solution cells included: a learner reads them too).
+def _private_torch_names(path: Path) -> list[str]:
+    sources = ["".join(c["source"]) for c in cells(path) if c["cell_type"] == "code"]
+    trees = []
+    for src in sources:
+        try:
+            trees.append(ast.parse("\n".join(l for l in src.splitlines() if not l.lstrip().startswith(("%", "!")))))
+        except SyntaxError:
+            continue
+    private = lambda part: part.startswith("_") and not (part.startswith("__") and part.endswith("__"))  # noqa: E731
+    aliases, found = {"torch"}, []
+    for tree in trees:  # names bound to torch modules anywhere in the notebook
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                aliases |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] == "torch"}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+                if any(map(private, node.module.split("."))) or any(private(a.name) for a in node.names):
+                    found.append(f"from {node.module} import {', '.join(a.name for a in node.names)}")
+                aliases |= {a.asname or a.name for a in node.names}
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and private(node.attr):
+                root = node.value
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if isinstance(root, ast.Name) and root.id in aliases:
+                    found.append(ast.unparse(node))
+    return sorted(set(found))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_private_torch_name_in_a_lesson_cell(path):
+    assert not _private_torch_names(path)
+
+
+def test_the_private_name_rule_catches_an_attribute_an_import_and_an_alias(tmp_path):
+    nb = _tiny_notebook(tmp_path, "import torch.distributed as dist\nfrom torch.utils._python_dispatch import "
+                                  "TorchDispatchMode\nfrom torch.distributed import distributed_c10d as c10d\n"
+                                  "print(dist._DEFAULT_FIRST_BUCKET_BYTES, c10d._world, torch.__version__)\n")
+    assert _private_torch_names(nb) == ["c10d._world", "dist._DEFAULT_FIRST_BUCKET_BYTES",
+                                        "from torch.utils._python_dispatch import TorchDispatchMode"]

@@ -1,49 +1,95 @@
 """Notebook 17's equivalence checks, rerun with their rounding perturbed (tests/perturb.py).
 
-Notebook 17 defines its rank functions in its cells (nothing is exported), so each check here repeats the cell's
-torch calls at small sizes: Megatron's f and g by hand (cell 7, and exercise 1 without an input gradient), the same
-MLP through ``parallelize_module`` (cell 9), sequence parallelism (exercise 3), and DDP, FSDP and the 2-D mesh
-trained against one process on the global batch (cell 13). All run in float64 and assert the notebook's 1e-10. The
-one difference from the cells: the unsharded reference's parameters are copied for the sharded side *before* the
-reference's first forward, so that ``nudge_first_forward`` nudges the reference alone. The last test shows the bound
-can fail: float32's rounding, a missing all-reduce and a step with a doubled learning rate all exceed it.
+Notebook 17 defines its rank functions in its cells (nothing is exported), so this file repeats the cells' torch
+calls on a smaller GPT: Megatron's f and g by hand with the heads split (cell "Checked against one process"),
+torchtitan's DTensor plan with sequence parallelism and a vocabulary-parallel head under ``loss_parallel``, the 2-D
+``("dp", "tp")`` mesh with ``fully_shard`` over ``dp``, and exercises 1 (four tp ranks) and 2 (no sequence
+parallelism). Each trains ``STEPS`` SGD steps in float64 and is compared with one process, as in the notebook, on
+logits, losses, first gradients and final weights, against the notebook's 1e-10. The reference runs in its own
+launch, so ``perturbed(..., ulps)`` nudges the reference alone. The last test shows the bound can fail: float32's
+rounding, a missing all-reduce and a step with a doubled learning rate all exceed it.
 """
+
+import contextlib
+import functools
 
 import pytest
 from perturb import ROUNDINGS, perturbed, run_check
 
-TOL = 1e-10  # notebook 17, cells 7, 9 and 13, exercises 1 and 3
-WIDTH, BATCH, TP, W = 16, 8, 2, 4
-BLOCKS, GLOBAL_BATCH, STEPS, LR = 2, 16, 3, 0.05
+TOL = 1e-10  # notebook 17
+BATCH, STEPS, LR, SEED, TP, W = 4, 3, 0.1, 0, 2, 4
 
 
-def _rel(a, b):  # notebook 17's rel: the largest difference relative to the reference's largest entry
-    return ((a - b).abs().max() / b.abs().max()).item()
+def _cfg():
+    from helpers.gpt import GPTConfig
+
+    return GPTConfig(seq_len=16, n_layer=2, n_head=4, d_model=16)
 
 
-def _mlp(dtype):
+def _data():
     import torch
-    from torch import nn
 
-    class MLP(nn.Module):  # notebook 17, cell 3
-        def __init__(self, width):
-            super().__init__()
-            self.fc1 = nn.Linear(width, 4 * width)
-            self.fc2 = nn.Linear(4 * width, width)
-
-        def forward(self, x):
-            return self.fc2(nn.functional.gelu(self.fc1(x)))
-
-    torch.manual_seed(0)  # every rank draws the same MLP and the same input
-    mlp = MLP(WIDTH).to(dtype=dtype)
-    return mlp, torch.randn(BATCH, WIDTH, dtype=dtype)
+    g = torch.Generator().manual_seed(SEED)
+    return [(torch.randint(0, 256, (BATCH, 16), generator=g), torch.randint(0, 256, (BATCH, 16), generator=g))
+            for _ in range(STEPS)]
 
 
-def hand_rank(rank, world_size, input_grad=True, dtype="float64", reduce_forward=True):
-    """Cell 7: column-parallel fc1 and row-parallel fc2 with f and g as autograd Functions; the gaps."""
+def _whole(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _train(model, forward, rows=slice(None), lr=LR):
+    """The notebook's train: SGD steps; first logits and gradients, losses, final weights."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    out = {"losses": []}
+    for k, (x, y) in enumerate(_data()):
+        logits = forward(x[rows])
+        with loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext():
+            loss = F.cross_entropy(logits.flatten(0, 1), y[rows].flatten())
+            loss.backward()
+        out["losses"].append(_whole(loss.detach()))
+        if k == 0:
+            out["logits"], out["grads"] = _whole(logits.detach()), {n: _whole(p.grad) for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+    out["weights"] = {n: _whole(p.detach()) for n, p in model.named_parameters()}
+    return out
+
+
+SPLIT = {"attn.q.weight": 0, "attn.k.weight": 0, "attn.v.weight": 0, "attn.o.weight": 1,
+         "mlp.up.weight": 0, "mlp.up.bias": 0, "mlp.down.weight": 1}
+
+
+def _cut(name, tensor, rank, tp):
+    dim = SPLIT.get(name.split(".", 2)[-1])
+    return tensor if dim is None else tensor.chunk(tp, dim)[rank]
+
+
+def reference_rank(rank, world_size, dtype="float64", lr=LR):
+    import torch
+
+    from helpers.gpt import GPT
+
+    torch.manual_seed(SEED)
+    model = GPT(_cfg()).to(dtype=getattr(torch, dtype))
+    return _train(model, model, lr=lr)
+
+
+def hand_rank(rank, world_size, dtype="float64", reduce_forward=True):
+    """Megatron's f and g as autograd Functions, the heads and hidden units split by hand."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
+    from torch import nn
+
+    from helpers.gpt import GPT
 
     class Copy(torch.autograd.Function):  # f
         @staticmethod
@@ -67,175 +113,128 @@ def hand_rank(rank, world_size, input_grad=True, dtype="float64", reduce_forward
         def backward(ctx, grad):
             return grad
 
-    split = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1, "fc2.bias": None}
-    mlp, x = _mlp(getattr(torch, dtype))
-    mine = {n: (p if split[n] is None else p.chunk(world_size, split[n])[rank]).detach().clone().requires_grad_()
-            for n, p in mlp.named_parameters()}  # copied before the reference runs: a nudge reaches it alone
-    x.requires_grad_(input_grad)
-    y_ref = mlp(x)
-    y_ref.square().mean().backward()
-    x_tp = x.detach().requires_grad_(input_grad)
-    h = F.gelu(F.linear(Copy.apply(x_tp), mine["fc1.weight"], mine["fc1.bias"]))
-    y = Reduce.apply(F.linear(h, mine["fc2.weight"])) + mine["fc2.bias"]
-    y.square().mean().backward()
-    gaps = {n: _rel(mine[n].grad, p.grad if split[n] is None else p.grad.chunk(world_size, split[n])[rank])
-            for n, p in mlp.named_parameters()}
-    gaps.update(output=_rel(y, y_ref), x=_rel(x_tp.grad, x.grad) if input_grad else 0.0)
-    return max(gaps.values())
+    f, g = Copy.apply, Reduce.apply
+    torch.manual_seed(SEED)
+    model = GPT(_cfg()).to(dtype=getattr(torch, dtype))
+    for name, p in list(model.named_parameters()):
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, nn.Parameter(_cut(name, p.detach(), rank, world_size).clone()))
+
+    def block(b, x):
+        x = x + g(b.attn(f(b.norm1(x))))
+        h = F.gelu(b.mlp.up(f(b.norm2(x))))
+        return x + g(F.linear(h, b.mlp.down.weight)) + b.mlp.down.bias
+
+    def forward(idx):
+        x = model.tok(idx) + model.pos(torch.arange(idx.shape[1]))
+        for b in model.blocks:
+            x = block(b, x)
+        return model.head(model.norm(x))
+
+    return _train(model, forward)
 
 
-def dtensor_rank(rank, world_size):
-    """Cell 9: the same MLP through parallelize_module with ColwiseParallel and RowwiseParallel; the largest gap."""
-    import copy
+def _parallelize_gpt(model, mesh, sequence_parallel=True):
+    """The notebook's parallelize_gpt (torchtitan's plan); without sequence parallelism, exercise 2's plan."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
 
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    mlp, x = _mlp(torch.float64)
-    model = copy.deepcopy(mlp)  # before the reference runs: a nudge reaches the reference alone
-    x.requires_grad_()
-    y_ref = mlp(x)
-    y_ref.square().mean().backward()
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
-    parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-    x_tp = x.detach().requires_grad_()
-    y = model(x_tp)
-    y.square().mean().backward()
-    gaps = [_rel(p.grad.full_tensor(), ref.grad) for p, ref in zip(model.parameters(), mlp.parameters())]
-    return max(gaps + [_rel(y, y_ref), _rel(x_tp.grad, x.grad)])
-
-
-def sequence_rank(rank, world_size, sequence=4):
-    """Exercise 3: LayerNorm under SequenceParallel, fc1 and fc2 tensor-parallel; the output's gap."""
-    import copy
-
-    import torch
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
-
-    torch.manual_seed(0)
-    block = nn.Sequential()
-    block.add_module("norm", nn.LayerNorm(WIDTH))
-    block.add_module("fc1", nn.Linear(WIDTH, 4 * WIDTH))
-    block.add_module("act", nn.GELU())
-    block.add_module("fc2", nn.Linear(4 * WIDTH, WIDTH))
-    block = block.to(torch.float64)
-    x = torch.randn(BATCH // sequence, sequence, WIDTH, dtype=torch.float64)
-    sharded = copy.deepcopy(block)
-    y_ref = block(x)
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
-    parallelize_module(sharded, mesh, {"norm": SequenceParallel(), "fc1": ColwiseParallel(input_layouts=Shard(1)),
-                                       "fc2": RowwiseParallel(output_layouts=Shard(1))})
-    y = sharded(x.chunk(world_size, dim=1)[rank])
-    return _rel(y, y_ref.chunk(world_size, dim=1)[rank])
+    linears = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+               "mlp.up": ColwiseParallel()}
+    if not sequence_parallel:
+        for block in model.blocks:
+            parallelize_module(block, mesh, {**linears, "attn.o": RowwiseParallel(), "mlp.down": RowwiseParallel()})
+        return model
+    parallelize_module(model, mesh, {
+        "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "pos": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+        "norm": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), use_local_output=False)})
+    for block in model.blocks:
+        parallelize_module(block, mesh, {
+            **linears, "norm1": SequenceParallel(), "norm2": SequenceParallel(),
+            "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attn.o": RowwiseParallel(output_layouts=Shard(1)),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.down": RowwiseParallel(output_layouts=Shard(1))})
+    return model
 
 
-def train_rank(rank, world_size, dataset, steps, *, mode="2-D", dtype="float64", lr=LR):
-    """Cell 11: BlockStack trained in one mode on the same global batches; weights and losses."""
+def dtensor_rank(rank, world_size, dp=1, dtype="float64", sequence_parallel=True):
+    """The DTensor plan on a (dp, tp) mesh; with dp > 1, fully_shard over dp per block and at the root."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from helpers import fsdp
+    from helpers.gpt import GPT
 
-    dtype = getattr(torch, dtype)
-    batches = fsdp.global_batches(len(dataset), steps, GLOBAL_BATCH, 0)
-    dp_rank, dp_size = rank, world_size
-    torch.manual_seed(0)
-    model = fsdp.BlockStack(WIDTH, BLOCKS).to(dtype=dtype)
-    if mode == "2-D":
-        mesh = init_device_mesh("cpu", (world_size // TP, TP), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(SEED)
+    model = GPT(_cfg()).to(dtype=getattr(torch, dtype))
+    mesh = init_device_mesh("cpu", (dp, world_size // dp), mesh_dim_names=("dp", "tp"))
+    _parallelize_gpt(model, mesh["tp"], sequence_parallel)
+    if dp > 1:
         for block in model.blocks:
-            parallelize_module(block, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
-        dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
-    elif mode == "FSDP":
-        fsdp.shard(model, init_device_mesh("cpu", (world_size,)))
-    elif mode == "DDP":
-        model = DDP(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    losses = []
-    for k in range(steps):
-        x, y = fsdp.rank_slice(dataset, batches, k, dp_rank, dp_size, "cpu")
-        losses.append(fsdp.train_step(model, optimizer, x.to(dtype), y))
-    params = {n: p.full_tensor() if isinstance(p, DTensor) else p
-              for n, p in getattr(model, "module", model).named_parameters()}
-    return {"losses": torch.stack(losses), "params": {n: p.detach().clone() for n, p in params.items()}}
+    b, dp_rank = BATCH // dp, mesh["dp"].get_local_rank()
+    return _train(model, model, rows=slice(dp_rank * b, (dp_rank + 1) * b)), dp_rank
+
+
+def _gap(out, ref, rank=0, tp=1, rows=slice(None)):  # the notebook's gap
+    import torch
+
+    pairs = [(out["logits"], ref["logits"][rows])]
+    pairs += [(torch.stack(out["losses"]), torch.stack(ref["losses"]))] if rows == slice(None) else []
+    pairs += [(out[k][n], _cut(n, ref[k][n], rank, tp)) for k in ("grads", "weights") for n in out[k]]
+    return max(((a - b).abs().max() / b.abs().max()).item() for a, b in pairs)
 
 
 def _launch(fn, world_size, *args, **kwargs):
+    import warnings
+
     from helpers.launch import launch
 
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     return launch(fn, world_size, *args, quiet=True, progress=False, backend="gloo", **kwargs)
 
 
+def _mesh_gaps(runs, ref):
+    import torch
+
+    b = BATCH // (W // TP)
+    by_dp = {dp_rank: out for out, dp_rank in runs}
+    losses = torch.stack([torch.stack(out["losses"]) for out in by_dp.values()]).mean(0)
+    return max([_gap(out, ref, rows=slice(d * b, (d + 1) * b)) for d, out in by_dp.items()]
+               + [(losses - torch.stack(ref["losses"])).abs().max().item()])
+
+
 def check_tensor_parallel(threads, ulps):
-    import functools
-
-    return {"hand": max(_launch(perturbed(hand_rank, threads, ulps), TP)),
-            "hand, no input gradient": max(_launch(perturbed(functools.partial(hand_rank, input_grad=False),
-                                                             threads, ulps), TP)),
-            "DTensor": max(_launch(perturbed(dtensor_rank, threads, ulps), TP)),
-            "sequence parallel": max(_launch(perturbed(sequence_rank, threads, ulps), TP))}
-
-
-def _images():
-    import torch
-    from torch.utils.data import TensorDataset
-
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(64, 1, 28, 28, generator=g), torch.randint(0, 10, (64,), generator=g))
-
-
-def _gaps(runs, ref):
-    from helpers.models import max_param_diff
-
-    import torch
-
-    return (max_param_diff(runs[0]["params"], ref["params"]),
-            (torch.stack([r["losses"] for r in runs]).mean(0) - ref["losses"]).abs().max().item())
-
-
-def check_training(threads, ulps, dtype="float64", ref_lr=LR):
-    import functools
-
-    data = _images()
-    one = functools.partial(train_rank, mode="one process", dtype=dtype, lr=ref_lr)
-    ref = _launch(perturbed(one, threads, ulps), 1, data, STEPS)[0]
-    out = {}
-    for mode in ("DDP", "FSDP", "2-D"):
-        runs = _launch(perturbed(functools.partial(train_rank, mode=mode, dtype=dtype), threads, 0), W, data, STEPS)
-        out[mode], out[mode + " loss"] = _gaps(runs, ref)
-    return out
+    ref = _launch(perturbed(reference_rank, threads, ulps), 1)[0]
+    hand = _launch(perturbed(hand_rank, threads, 0), TP)
+    return {"hand": max(_gap(out, ref, r, TP) for r, out in enumerate(hand)),
+            "DTensor": max(_gap(out, ref) for out, _ in _launch(perturbed(dtensor_rank, threads, 0), TP)),
+            "DTensor, 4 tp ranks": max(_gap(out, ref) for out, _ in _launch(perturbed(dtensor_rank, threads, 0), W)),
+            "no sequence parallelism": max(_gap(out, ref) for out, _ in _launch(
+                perturbed(functools.partial(dtensor_rank, sequence_parallel=False), threads, 0), TP)),
+            "2-D mesh": _mesh_gaps(_launch(perturbed(functools.partial(dtensor_rank, dp=W // TP), threads, 0), W),
+                                   ref)}
 
 
 def check_what_the_bound_catches(threads, ulps):
-    import functools
-
-    return {"float32 hand": max(_launch(functools.partial(hand_rank, dtype="float32"), TP)),
-            "missing all-reduce": max(_launch(functools.partial(hand_rank, reduce_forward=False), TP)),
-            "float32 training": max(check_training(threads, ulps, dtype="float32").values()),
-            "doubled step": check_training(threads, ulps, ref_lr=2 * LR)["DDP"]}
+    ref = _launch(reference_rank, 1)[0]
+    ref32 = _launch(functools.partial(reference_rank, dtype="float32"), 1)[0]
+    doubled = _launch(functools.partial(reference_rank, lr=2 * LR), 1)[0]
+    return {"float32 DTensor": max(_gap(out, ref32) for out, _ in
+                                   _launch(functools.partial(dtensor_rank, dtype="float32"), TP)),
+            "missing all-reduce": max(_gap(out, ref, r, TP) for r, out in
+                                      enumerate(_launch(functools.partial(hand_rank, reduce_forward=False), TP))),
+            "doubled step, 2-D mesh": _mesh_gaps(_launch(functools.partial(dtensor_rank, dp=W // TP), W), doubled)}
 
 
 @pytest.mark.parametrize("threads,ulps", ROUNDINGS)
-def test_tensor_parallel_equals_the_unsharded_mlp_in_float64(threads, ulps):
+def test_tensor_parallel_gpt_trains_as_the_unsharded_one_in_float64(threads, ulps):
     gaps = run_check(__file__, "check_tensor_parallel", threads, ulps)
-    print(f"{threads} thread(s), {ulps} ulp: " + ", ".join(f"{k} {v:.1e}" for k, v in gaps.items()))
-    assert max(gaps.values()) < TOL, gaps
-
-
-@pytest.mark.parametrize("threads,ulps", ROUNDINGS)
-def test_ddp_fsdp_and_the_2d_mesh_train_as_one_process_in_float64(threads, ulps):
-    gaps = run_check(__file__, "check_training", threads, ulps)
     print(f"{threads} thread(s), {ulps} ulp: " + ", ".join(f"{k} {v:.1e}" for k, v in gaps.items()))
     assert max(gaps.values()) < TOL, gaps
 
@@ -243,5 +242,5 @@ def test_ddp_fsdp_and_the_2d_mesh_train_as_one_process_in_float64(threads, ulps)
 def test_the_bound_fails_for_float32_a_missing_all_reduce_and_a_doubled_step():
     out = run_check(__file__, "check_what_the_bound_catches", 1, 0)
     print(out)
-    assert out["float32 hand"] > TOL and out["float32 training"] > TOL, "float32's rounding alone exceeds it"
-    assert out["missing all-reduce"] > 1e-2 and out["doubled step"] > 1e-4, "a bug moves far more"
+    assert out["float32 DTensor"] > TOL, "float32's rounding alone exceeds it"
+    assert out["missing all-reduce"] > 1e-2 and out["doubled step, 2-D mesh"] > 1e-4, "a bug moves far more"
