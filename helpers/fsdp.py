@@ -1,26 +1,27 @@
-"""FSDP2 as notebook 15 teaches it, and the machinery its ranks need around it.
+"""FSDP2 as notebook 15 teaches it, and what notebooks 16 and 17 reuse around it.
 
-The lesson (the model, ``shard`` with ``fully_shard`` and ``MixedPrecisionPolicy``,
-the meta-device build, the training step) is written in notebooks/15-fsdp.ipynb
-and exported below, so that notebook 16 (distributed checkpoints) and the tests
-reuse the same code. Above the export: the global batches every mode trains on,
-and the bytes of parameters held between forward and backward.
+The lesson is written in notebooks/15-fsdp.ipynb: ``shard`` (``fully_shard`` per block and at the root, a
+``MixedPrecisionPolicy``, per-block activation checkpointing, explicit prefetching) is exported below from there, so
+that the capstone, notebook 16 and the tests shard with the same code. Above the export: the small image model that
+notebook 16 checkpoints (``BlockStack``, its meta-device build ``sharded_model``, ``train_step``) and the global
+batches and per-rank slices that 16 and 17 train on.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-from .memory import local_bytes
+from torch.utils.checkpoint import checkpoint
 
 
 def global_batches(n: int, steps: int, global_batch: int, seed: int = 0) -> torch.Tensor:
     """Sample indices of ``steps`` global batches from one seeded shuffle, shape (steps, global_batch).
 
-    Introduced in notebooks/15-fsdp.ipynb.
+    Introduced in notebooks/16-distributed-checkpoints.ipynb.
     """
     if steps * global_batch > n:
         raise ValueError(f"{steps} steps of {global_batch} samples need more than the {n} samples")
@@ -28,28 +29,10 @@ def global_batches(n: int, steps: int, global_batch: int, seed: int = 0) -> torc
     return torch.randperm(n, generator=g)[: steps * global_batch].view(steps, global_batch)
 
 
-def params_after_forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
-    """Parameter bytes this rank holds right after a forward pass, before the backward (then runs that backward).
-
-    FSDP2 swaps a unit's registered parameters for full plain tensors while it is
-    unsharded and back to DTensor shards when it reshards, so the parameters
-    seen between forward and backward say what ``reshard_after_forward`` freed.
-    The backward runs so that every rank's collectives stay in step; the
-    gradients it leaves are zeroed. Call it in a rank, never in the notebook.
-    Introduced in notebooks/15-fsdp.ipynb.
-    """
-    out = model(x)
-    held = sum(local_bytes(p) for p in model.parameters())
-    F.cross_entropy(out, y).backward()
-    model.zero_grad(set_to_none=False)
-    return held
-
-
-# ---- exported from notebooks/15-fsdp.ipynb: edit it there, then run `make export` ----
 class Block(nn.Module):
-    """x + W2·gelu(W1·LayerNorm(x)): a pre-norm residual MLP block.
+    """x + W2·gelu(W1·LayerNorm(x)): a pre-norm residual MLP block, BlockStack's.
 
-    Introduced in notebooks/15-fsdp.ipynb.
+    Introduced in notebooks/17-tensor-parallel.ipynb.
     """
 
     def __init__(self, width):
@@ -65,7 +48,7 @@ class Block(nn.Module):
 class BlockStack(nn.Module):
     """A flattened 28x28 image → Linear to width → `blocks` Blocks → Linear to 10 classes.
 
-    Introduced in notebooks/15-fsdp.ipynb.
+    Introduced in notebooks/16-distributed-checkpoints.ipynb.
     """
 
     def __init__(self, width=128, blocks=4):
@@ -81,22 +64,10 @@ class BlockStack(nn.Module):
         return self.head(h)
 
 
-def shard(model, mesh, *, reshard_after_forward=None, param_dtype=None):
-    """fully_shard each block, then the root; param_dtype: gather and compute in it, reduce in float32.
-
-    Introduced in notebooks/15-fsdp.ipynb.
-    """
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
-    for block in model.blocks:  # one unit per block
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)  # embed, head
-    return model
-
-
 def sharded_model(width, blocks, mesh, device, *, seed=0, dtype=torch.float32, **shard_kw):
-    """BlockStack built on the meta device in `dtype`, sharded, given storage for this rank's slices, initialised.
+    """BlockStack built on the meta device in `dtype`, sharded by ``shard``, given storage for its slices, initialised.
 
-    Introduced in notebooks/15-fsdp.ipynb.
+    Introduced in notebooks/16-distributed-checkpoints.ipynb.
     """
     with torch.device("meta"):
         model = BlockStack(width, blocks).to(dtype)  # shapes only, whatever the size
@@ -112,7 +83,7 @@ def sharded_model(width, blocks, mesh, device, *, seed=0, dtype=torch.float32, *
 def train_step(model, optimizer, x, y):
     """zero_grad, forward, backward, step; the loss, detached.
 
-    Introduced in notebooks/15-fsdp.ipynb.
+    Introduced in notebooks/16-distributed-checkpoints.ipynb.
     """
     optimizer.zero_grad(set_to_none=True)
     loss = F.cross_entropy(model(x), y)
@@ -124,10 +95,30 @@ def train_step(model, optimizer, x, y):
 def rank_slice(dataset, batches, k, rank, world_size, device, dtype=None):
     """This rank's equal slice of global batch k (row k of `batches`), the images cast to `dtype` if given.
 
-    Introduced in notebooks/15-fsdp.ipynb.
+    Introduced in notebooks/16-distributed-checkpoints.ipynb.
     """
     b = batches.shape[1] // world_size
     images, labels = dataset.tensors
     idx = batches[k, rank * b:(rank + 1) * b]
     return images[idx].to(device, dtype), labels[idx].to(device)
+
+
+# ---- exported from notebooks/15-fsdp.ipynb: edit it there, then run `make export` ----
+def shard(model, mesh, *, reshard_after_forward=None, param_dtype=None, checkpointing=False, prefetch=False):
+    """fully_shard each block, then the root; optionally checkpoint blocks, compute in param_dtype, prefetch.
+
+    param_dtype: gather and compute in it, reduce gradients in float32. Introduced in notebooks/15-fsdp.ipynb.
+    """
+    low = dict(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else {}
+    for block in model.blocks:
+        if checkpointing:  # keep the block's input only; run its forward again in backward
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=MixedPrecisionPolicy(**low))
+    root = MixedPrecisionPolicy(**low, output_dtype=torch.float32 if param_dtype else None)  # float32 logits
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=root)  # tok, pos, norm, head
+    if prefetch:  # block i asks for block i+1's weights (backward: i−1's) before it computes
+        for before, after in zip(model.blocks, model.blocks[1:]):
+            before.set_modules_to_forward_prefetch([after])
+            after.set_modules_to_backward_prefetch([before])
+    return model
 # ---- end of export from notebooks/15-fsdp.ipynb ----

@@ -80,7 +80,7 @@ def transformer_params(d_model: int, layers: int, vocab: int = 32_000) -> int:
 def local_bytes(t: torch.Tensor) -> int:
     """Bytes this rank stores for ``t``: its local shard when ``t`` is a DTensor (FSDP2), else all of it.
 
-    Machinery behind memory.state_bytes and fsdp.params_after_forward; no notebook calls it directly.
+    Machinery behind memory.state_bytes; no notebook calls it directly.
     """
     local = t.to_local() if hasattr(t, "to_local") else t
     return local.numel() * local.element_size()

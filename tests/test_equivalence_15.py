@@ -1,102 +1,115 @@
-"""Notebook 15's equivalence check and its 16-bit bounds, rerun with their rounding perturbed (tests/perturb.py).
+"""Notebook 15's equivalence checks, rerun with their rounding perturbed (tests/perturb.py).
 
-Section "Same training, checked" trains FSDP (2 ranks) and one process on the global batch in float64 and asserts
-< 1e-10 on the weights and the losses; beside it, float32's gap is printed. Section "What sharding costs" bounds the
-16-bit run: ``100 * float32 gap < |bf16 − float32| < weights moved / 10``. Both run here with the notebook's exported
-code (``helpers.fsdp``: ``sharded_model``, ``train_step``, ``rank_slice``, ``global_batches``) at its smoke sizes, for
-every rounding in ``ROUNDINGS``; the nudge lands on the FSDP side, through each DTensor's local shard. The last test
-shows the bound can fail: float32 against float64 and a real bug (the reference's step doubled, as gradients summed
-instead of averaged would be) both exceed it.
+Section "Same training, checked" trains the GPT with FSDP2 and torchtitan's recipe (2 ranks; ``shard`` with per-block
+activation checkpointing and explicit prefetching; 2 micro-batches per rank with ``set_requires_gradient_sync`` off
+on all but the last; ``clip_grad_norm_`` on the ``DTensor`` gradients; AdamW) and one process on the whole global
+batch, both in float64, and asserts < 1e-10 on the weights, the losses and the gradient norms. Section "HSDP" does the
+same with 4 ranks on a (replicate, shard) = (2, 2) mesh against the same one-process run. Both run here with the
+notebook's exported ``shard`` (``helpers.fsdp``) and the course's GPT at the notebook's smoke sizes, for every rounding
+in ``ROUNDINGS``; the nudge lands on the sharded side, through each DTensor's local shard. The last test shows the
+bound can fail: float32 against float64, and two real accumulation bugs (no micro-batch ever synced; the loss not
+divided by the number of micro-batches, which clipping hides from the weights but not from the norm).
 """
 
 import pytest
 from perturb import ROUNDINGS, perturbed, run_check
 
-TOLERANCE = 1e-10  # notebook 15, "Same training, checked"
-WIDTH, BLOCKS, GLOBAL_BATCH, STEPS, LR, SEED = 64, 2, 32, 4, 0.05, 0  # notebook 15's parameters cell, smoke sizes
+TOLERANCE = 1e-10  # notebook 15, "Same training, checked" and "HSDP"
+CFG = dict(seq_len=32, n_layer=2, n_head=2, d_model=32)  # notebook 15's parameters cell, smoke sizes
+GLOBAL_BATCH, ACCUM, STEPS, LR, MAX_NORM, SEED = 8, 2, 2, 1e-3, 0.5, 0
 
 
-def train(rank, world_size, dataset, *, mode="fsdp", start=None, dtype=None, lr=LR, **shard_kw):
-    """Notebook 15's ``train_rank`` without its instruments: FSDP from a meta build, or one process from ``start``."""
+def train(rank, world_size, tokens, *, dtype="float64", start=None, mesh_shape=None, accum=ACCUM, bug=None):
+    """Notebook 15's ``train_rank`` without its instruments: the meta build, the recipe, the step."""
     import torch
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    import torch.nn.functional as F
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
 
-    from helpers import fsdp
+    from helpers import fsdp, text
+    from helpers.gpt import GPT, GPTConfig
 
+    dtype, cfg = getattr(torch, dtype), GPTConfig(**CFG)
     gathered = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    device = torch.device("cpu")
-    batches = fsdp.global_batches(len(dataset), STEPS, GLOBAL_BATCH, SEED)
-    if mode == "fsdp":
-        mesh = init_device_mesh(device.type, (world_size,))
-        model = fsdp.sharded_model(WIDTH, BLOCKS, mesh, device, dtype=dtype, **shard_kw)
-        start = get_model_state_dict(model, options=gathered)
+    with torch.device("meta"):
+        model = GPT(cfg).to(dtype)
+    if world_size > 1:
+        shape = mesh_shape or (world_size,)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
+        fsdp.shard(model, mesh, checkpointing=True, prefetch=True)
+    model.to_empty(device="cpu")
+    if start is None:
+        torch.manual_seed(SEED)
+        model.init_weights()
     else:
-        model = fsdp.BlockStack(WIDTH, BLOCKS).to(dtype)
-        model.load_state_dict(start)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    losses = [fsdp.train_step(model, optimizer, *fsdp.rank_slice(dataset, batches, k, rank, world_size, device, dtype))
-              for k in range(STEPS)]
-    params = (get_model_state_dict(model, options=gathered) if mode == "fsdp"
-              else {k: v.detach().clone() for k, v in model.state_dict().items()})
-    return {"start": start, "params": params, "losses": torch.stack(losses)}
+        set_model_state_dict(model, {k: v.to(dtype) for k, v in start.items()},
+                             options=StateDictOptions(full_state_dict=True))
+    first = get_model_state_dict(model, options=gathered)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    g, b = torch.Generator().manual_seed(SEED), GLOBAL_BATCH // world_size
+    losses, norms = [], []
+    for _ in range(STEPS):
+        x, y = text.random_windows(tokens, GLOBAL_BATCH, cfg.seq_len, g)
+        x, y = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
+        optimizer.zero_grad()
+        loss = 0.0
+        for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
+            if world_size > 1:
+                model.set_requires_gradient_sync(i == accum - 1 and bug != "never synced")
+            micro = F.cross_entropy(model(xm).flatten(0, 1), ym.flatten()) / (1 if bug == "not divided" else accum)
+            micro.backward()
+            loss += micro.detach()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+        losses.append(loss)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    return {"start": first, "params": get_model_state_dict(model, options=gathered),
+            "losses": torch.stack(losses), "norms": torch.stack(norms)}
 
 
-def _fsdp_vs_one(threads, ulps, dtype="float64", ref_dtype=None, ref_lr=LR):
-    """(max |FSDP − one process| over weights, over per-step losses, FSDP's own start and end weights)."""
+def _gaps(threads, ulps, world_size=2, mesh_shape=None, dtype="float64", bug=None):
+    """max |sharded − one process| over weights, per-step losses and gradient norms."""
     import functools
 
     import torch
 
-    from helpers import data, models
+    from helpers import models, text
     from helpers.launch import launch
 
-    train_set, _ = data.get_datasets("fashion", smoke=True)
+    tokens = text.byte_splits(text.load_corpus()[0])[0]
     quiet = dict(quiet=True, progress=False)
-    sharded = launch(perturbed(functools.partial(train, dtype=getattr(torch, dtype)), threads, ulps), 2, train_set,
-                     **quiet)
-    one = functools.partial(train, mode="single", start=sharded[0]["start"], dtype=getattr(torch, ref_dtype or dtype),
-                            lr=ref_lr)
-    ref = launch(perturbed(one, threads, 0), 1, train_set, **quiet)[0]
-    losses = torch.stack([r["losses"] for r in sharded]).mean(0)  # each rank's loss: its slice's mean
-    return (models.max_param_diff(sharded[0]["params"], ref["params"]),
-            (losses.double() - ref["losses"].double()).abs().max().item(), sharded[0])
+    first = launch(functools.partial(train, dtype="float64"), 2, tokens, **quiet)[0]["start"]  # FSDP's meta init
+    sharded = launch(perturbed(functools.partial(train, dtype=dtype, start=first, mesh_shape=mesh_shape, bug=bug),
+                               threads, ulps), world_size, tokens, **quiet)
+    ref = launch(perturbed(functools.partial(train, start=first, accum=1), threads, 0), 1, tokens, **quiet)[0]
+    losses = torch.stack([r["losses"] for r in sharded]).double().mean(0)  # each rank's loss: its share's mean
+    return {"weights": models.max_param_diff(sharded[0]["params"], ref["params"]),
+            "losses": (losses - ref["losses"]).abs().max().item(),
+            "norms": (sharded[0]["norms"].double() - ref["norms"]).abs().max().item()}
 
 
 def check(threads, ulps):
-    """The float64 check, float32's gap, and the 16-bit run's gap from float32 FSDP (section 'What sharding costs')."""
-    import functools
-
-    import torch
-
-    from helpers import data, models
-    from helpers.launch import launch
-
-    vs_one, loss_gap, _ = _fsdp_vs_one(threads, ulps)
-    vs_one32, _, fsdp32 = _fsdp_vs_one(threads, ulps, dtype="float32")
-    train_set, _ = data.get_datasets("fashion", smoke=True)
-    low = launch(perturbed(functools.partial(train, param_dtype=torch.bfloat16), threads, 0), 2, train_set,
-                 quiet=True, progress=False)[0]
-    return {"float64": vs_one, "float64 losses": loss_gap, "float32": vs_one32,
-            "16-bit": models.max_param_diff(low["params"], fsdp32["params"]),
-            "moved": models.max_param_diff(fsdp32["params"], fsdp32["start"])}
+    return {"FSDP": _gaps(threads, ulps), "HSDP": _gaps(threads, ulps, world_size=4, mesh_shape=(2, 2))}
 
 
 def check_what_the_bound_catches(threads, ulps):
-    return {"float32_vs_float64": _fsdp_vs_one(threads, ulps, dtype="float32", ref_dtype="float64")[0],
-            "summed_not_averaged": _fsdp_vs_one(threads, ulps, ref_lr=2 * LR)[0]}  # SGD(momentum): 2·g is 2·lr
+    return {"float32": _gaps(threads, ulps, dtype="float32"),
+            "never synced": _gaps(threads, ulps, bug="never synced"),
+            "not divided": _gaps(threads, ulps, bug="not divided")}
 
 
 @pytest.mark.parametrize("threads,ulps", ROUNDINGS)
-def test_fsdp_is_one_process_in_float64_and_16_bit_rounding_stays_between_its_bounds(threads, ulps):
+def test_fsdp_and_hsdp_with_the_recipe_are_one_process_in_float64(threads, ulps):
     gaps = run_check(__file__, "check", threads, ulps)
-    print(f"{threads} thread(s), {ulps} ulp:", {name: f"{gap:.1e}" for name, gap in gaps.items()})
-    assert gaps["float64"] < TOLERANCE and gaps["float64 losses"] < TOLERANCE, gaps
-    assert 100 * gaps["float32"] < gaps["16-bit"] < gaps["moved"] / 10, gaps  # notebook 15's 16-bit bounds
+    print(f"{threads} thread(s), {ulps} ulp:", {k: {n: f"{g:.1e}" for n, g in v.items()} for k, v in gaps.items()})
+    for name, gap in gaps.items():
+        assert max(gap.values()) < TOLERANCE, (name, gap)
 
 
-def test_the_bound_fails_for_float32_and_for_a_summed_gradient():
+def test_the_bound_fails_for_float32_and_for_accumulation_bugs():
     gaps = run_check(__file__, "check_what_the_bound_catches", 1, 0)
-    print({name: f"{gap:.1e}" for name, gap in gaps.items()})
-    assert gaps["float32_vs_float64"] > 1e3 * TOLERANCE, gaps  # float32's rounding alone: ~1e-8 here
-    assert gaps["summed_not_averaged"] > 1e-4, gaps  # a real bug: lr·|g| and more
+    print({k: {n: f"{g:.1e}" for n, g in v.items()} for k, v in gaps.items()})
+    assert gaps["float32"]["weights"] > 1e3 * TOLERANCE, gaps  # float32's rounding alone: ~1e-6 here
+    assert gaps["never synced"]["weights"] > 1e-4, gaps  # no gradient reaches the optimizer: ~lr per step missing
+    assert gaps["not divided"]["norms"] > 0.1, gaps  # twice the gradient: the norm doubles (clipping hides it)

@@ -1,4 +1,4 @@
-"""helpers.fsdp: notebook 15's exported FSDP2 code (the meta-device build, shards, the step) and its machinery.
+"""helpers.fsdp: notebook 15's exported FSDP2 recipe (``shard``) and what notebooks 16 and 17 reuse around it.
 
 The FSDP lesson itself is written in notebooks/15-fsdp.ipynb, whose asserts check it.
 Training runs in launched ranks only (a backward pass in this process would break later GPU forks).
@@ -8,9 +8,7 @@ import functools
 
 import pytest
 import torch
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from helpers import fsdp
 from conftest import QUIET
@@ -25,27 +23,33 @@ def test_global_batches_are_disjoint_and_seeded():
     assert torch.equal(b, fsdp.global_batches(10, 2, 4, seed=1))
 
 
-def _held_rank(rank, world_size, *, reshard):
+def _recipe_rank(rank, world_size, *, param_dtype=None, checkpointing=False):
+    from helpers.gpt import GPT, GPTConfig
+
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
-    if reshard is not None:  # None: a plain model, no FSDP
-        mesh = init_device_mesh("cpu", (world_size,))
-        for layer in model:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
-    held = fsdp.params_after_forward(model, x, y)
-    grads_zeroed = all(p.grad is not None and not p.grad.any() for p in model.parameters())
-    return held, grads_zeroed
+    model = GPT(GPTConfig(seq_len=8, n_layer=2, n_head=2, d_model=8))
+    names = [n for n, _ in model.named_parameters()]
+    fsdp.shard(model, init_device_mesh("cpu", (world_size,)), param_dtype=param_dtype, checkpointing=checkpointing,
+               prefetch=True)
+    saved = []
+    x = torch.randint(0, 256, (2, 8))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        logits = model(x)
+    logits.float().sum().backward()
+    shards = {n: (p.placements[0].dim, p.to_local().shape[0], p.shape[0], p.dtype, p.grad.dtype)
+              for n, p in model.named_parameters()}
+    return names, shards, logits.dtype, sum(saved)
 
 
-def test_params_after_forward_sees_what_resharding_frees():
-    whole = (8 * 16 + 16 + 16 * 4 + 4) * 4
-    plain = launch(functools.partial(_held_rank, reshard=None), 1, **QUIET)[0]
-    kept = launch(functools.partial(_held_rank, reshard=False), 2, **QUIET)[0]
-    freed = launch(functools.partial(_held_rank, reshard=True), 2, **QUIET)[0]
-    assert plain == (whole, True) and kept == (whole, True)
-    assert freed[0] < whole and freed[1]
+def test_shard_keeps_names_shards_dim_0_and_follows_its_options():
+    plain = launch(_recipe_rank, 2, **QUIET)[0]
+    recipe = launch(functools.partial(_recipe_rank, param_dtype=torch.bfloat16, checkpointing=True), 2, **QUIET)[0]
+    for names, shards, _, _ in (plain, recipe):
+        assert list(shards) == names  # checkpointing wraps forward only: the state dict's names stay
+        for name, (dim, local, full, dtype, grad_dtype) in shards.items():
+            assert dim == 0 and local == -(-full // 2) and dtype == grad_dtype == torch.float32, name
+    assert plain[2] == torch.float32 and recipe[2] == torch.float32  # bf16 compute, float32 logits at the root
+    assert recipe[3] < plain[3] / 2  # checkpointed blocks keep their input only
 
 
 def _sharded_rank(rank, world_size):
@@ -85,7 +89,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # in a child, for each number of usable GPUs as helpers.devices counts them (NVML and its checks stand aside, the
 # data stays unloaded): notebook {nb}'s parameters cell, then the plan each of its launches gets with its arguments
 PLANS_ON_GPUS = """
-import json, helpers.data, helpers.devices as devices
+import json, math, helpers.data, helpers.devices as devices
 helpers.data.get_datasets = lambda *args, **kwargs: (None, None)
 cells = json.load(open({nb!r}))["cells"]
 cell = "".join(next(c["source"] for c in cells if c["cell_type"] == "code" and "ON_CPU =" in "".join(c["source"])))
@@ -93,7 +97,7 @@ for n in (1, 2, 3):
     devices._usable = lambda: (n, None)
     ns = {{}}
     exec(cell, ns)
-    sizes = {{ns["W"], 1}} if "W" in ns else {{ns["SAVE_W"], *ns["LOAD_WS"]}}
+    sizes = {{ns["W"], 1, math.prod(ns.get("HSDP", ()))}} if "W" in ns else {{ns["SAVE_W"], *ns["LOAD_WS"]}}
     print(json.dumps({{"gpus": n, "on_cpu": ns["ON_CPU"], "plain": devices.plan(2).backend,
                       "backends": sorted({{devices.plan(w, backend=ns["QUIET"].get("backend")).backend for w in sizes}})}}))
 """
