@@ -45,6 +45,11 @@ LESSONS = {
     "tensor parallelism on a mesh": (r"tensor-parallel", ["init_device_mesh", "parallelize_module", "ColwiseParallel",
                                                           "RowwiseParallel"]),
     "the Keras model under DDP": (r"keras", ["keras.layers", "DistributedDataParallel", "DistributedSampler"]),
+    "FSDP2 as production uses it": (r"fsdp", ["set_requires_gradient_sync", "clip_grad_norm_",
+                                              "set_modules_to_forward_prefetch", "init_device_mesh"]),
+    "tensor parallelism on the GPT": (r"tensor-parallel", ["SequenceParallel", "PrepareModuleInput", "loss_parallel"]),
+    "ring attention by hand": (r"context-parallel", ["batch_isend_irecv", "logaddexp", "context_parallel"]),
+    "experts dispatched with all-to-all": (r"expert-parallel", ["all_to_all_single", "topk", "init_device_mesh"]),
 }
 
 WORD = re.compile(r"[A-Za-z][A-Za-z'’-]*")
