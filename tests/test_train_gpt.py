@@ -1,0 +1,148 @@
+"""scripts/train_gpt.py under torchrun (FSDP2 x TP on a 2-D mesh, DCP resumed on another world size), its sizing
+from the device, and helpers.mfu's peaks and arithmetic (notebooks/20-gpt-capstone.ipynb)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import types
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from helpers import mfu, torchrun
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train_gpt.py"
+TINY = ["--size", "smoke", "--n-layer", "2", "--d-model", "32", "--seq-len", "32", "--batch", "4", "--steps", "6",
+        "--eval-batches", "1", "--dtype", "float64"]
+SAVE_AT = 3
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("train_gpt", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(args, nproc, env=None) -> tuple[dict, torchrun.Finished]:
+    events = {}
+
+    def on_line(name, line, procs):
+        if line.startswith("{"):
+            event = json.loads(line)
+            events.setdefault(event["event"], []).append(event)
+
+    cmd = torchrun.torchrun_command([str(a) for a in args], nproc=nproc, script=SCRIPT)
+    out = torchrun.run({"torchrun": cmd}, timeout=300, echo=False, on_line=on_line, env=env, check=False)["torchrun"]
+    return events, out
+
+
+def _left_over(path) -> list:
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if str(path) in " ".join(proc.cmdline()) and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The uninterrupted run: 4 workers, dp=2 x tp=2, float64, a DCP checkpoint after step SAVE_AT."""
+    folder = tmp_path_factory.mktemp("gpt") / "ckpt"
+    events, out = _run(TINY + ["--tp", 2, "--checkpoint-dir", folder, "--save-at", SAVE_AT, "--sample", 8], 4)
+    assert out.returncode == 0, out.text[-3000:]
+    return events, folder
+
+
+def test_the_script_trains_on_a_2d_mesh_and_ends_its_processes(saved):
+    events, folder = saved
+    start = events["start"][0]
+    assert (start["world"], start["dp"], start["tp"], start["dtype"]) == (4, 2, 2, "float64")
+    losses = [e["loss"] for e in events["step"]]
+    assert [e["step"] for e in events["step"]] == list(range(1, 7))
+    assert losses[-1] < losses[0]  # it learns
+    assert [e["step"] for e in events["sample"]] == [0, 6]
+    assert all(e["text"].startswith("The ") for e in events["sample"])
+    assert sorted(p.name for p in (folder / f"step-{SAVE_AT}").iterdir()) == \
+        [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", "course.json"]
+    assert not _left_over(folder)
+
+
+@pytest.mark.parametrize("tp,threads", [(2, 1), (1, 2)], ids=["dp1xtp2", "dp2xtp1-2threads"])
+def test_a_resume_on_half_the_workers_continues_the_curve(saved, tp, threads):
+    """Saved by dp=2 x tp=2, resumed by 2 workers (another layout, another summation order): the losses after the
+    resume are the uninterrupted run's. float64: ~1e-16 apart by rounding; a wrong slice or a lost AdamW moment
+    moves them by >= 1e-4."""
+    events, folder = saved
+    resumed, out = _run(TINY + ["--tp", tp, "--resume", folder / f"step-{SAVE_AT}", "--stop-at", SAVE_AT + 2], 2,
+                        env={"OMP_NUM_THREADS": str(threads)})
+    assert out.returncode == 0, out.text[-3000:]
+    assert (resumed["start"][0]["dp"], resumed["start"][0]["tp"]) == (2 // tp, tp)
+    main = {e["step"]: e["loss"] for e in events["step"]}
+    gaps = [abs(e["loss"] - main[e["step"]]) / main[e["step"]] for e in resumed["step"]]
+    assert [e["step"] for e in resumed["step"]] == [SAVE_AT + 1, SAVE_AT + 2]
+    print(f"dp={2 // tp} x tp={tp}, {threads} thread(s): relative gaps {gaps}")
+    assert max(gaps) < 1e-10, gaps  # float64 throughout (gpt_loss keeps float64 logits in float64)
+    assert not _left_over(folder)
+
+
+def test_a_foreign_checkpoint_is_refused(saved):
+    _, folder = saved
+    args = [a if a != "32" else "48" for a in TINY]  # another width and window
+    _, out = _run(args + ["--tp", 1, "--resume", folder / f"step-{SAVE_AT}"], 1)
+    assert out.returncode != 0 and "was written with" in out.text
+
+
+def test_sizes_are_chosen_from_the_device(monkeypatch):
+    assert mfu.choose_size("cpu") == "cpu" and mfu.choose_size("cuda", 80, smoke=True) == "smoke"
+    assert mfu.choose_size("cuda", 15.6) == "gpu-16g" and mfu.choose_size("cuda", 23.7) == "gpu-16g"
+    assert mfu.choose_size("cuda", 79.2) == "gpu-40g" and mfu.choose_size("cuda", 139.8) == "gpu-40g"
+    with pytest.raises(ValueError, match="mps"):
+        mfu.choose_size("mps")
+    for name, size in mfu.SIZES.items():  # every size splits over tp=2 heads and dp=2 rows
+        assert size["d_model"] % size["n_head"] == 0 and size["n_head"] % 2 == 0 and size["batch"] % 2 == 0, name
+    script = _script()
+    args = script.parse_args(["--size", "auto"])
+    for memory, want in ((16 * 2**30, "gpu-16g"), (80 * 2**30, "gpu-40g")):  # a mocked GPU of that memory
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d, m=memory: types.SimpleNamespace(
+            total_memory=m))
+        cfg, size = script.sizes(args, torch.device("cuda", 0))
+        assert size["name"] == want and cfg.d_model == mfu.SIZES[want]["d_model"]
+    cfg, size = script.sizes(script.parse_args(["--size", "auto", "--d-model", "96"]), torch.device("cpu"))
+    assert size["name"] == "cpu" and cfg.d_model == 96  # an override wins
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA H100 80GB HBM3")
+    peak, label = script.peak_of(args, torch.device("cuda", 0))
+    assert peak == 989e12 and "datasheet" in label
+
+
+def test_datasheet_peaks():
+    assert mfu.datasheet_peak("NVIDIA H100 80GB HBM3")[:2] == (989e12, "bf16")
+    assert mfu.datasheet_peak("NVIDIA H100 PCIe")[0] == 756e12
+    assert mfu.datasheet_peak("NVIDIA H200")[0] == 989e12 and mfu.datasheet_peak("NVIDIA H200 NVL")[0] == 835e12
+    assert mfu.datasheet_peak("NVIDIA A100-SXM4-80GB")[0] == 312e12
+    assert mfu.datasheet_peak("NVIDIA L4")[0] == 121e12 and mfu.datasheet_peak("NVIDIA L40S")[0] == 362e12
+    assert mfu.datasheet_peak("Tesla T4")[:2] == (65e12, "fp16")
+    assert mfu.datasheet_peak("NVIDIA A10")[0] == 125e12
+    assert mfu.datasheet_peak("NVIDIA GeForce RTX 4090")[0] == pytest.approx(165.2e12)
+    assert mfu.datasheet_peak("NVIDIA A10G") is None  # no NVIDIA datasheet: not guessed
+    assert mfu.datasheet_peak("Some Future GPU") is None
+    assert all(source.startswith("https://") for *_, source in mfu.DATASHEET_TFLOPS)
+
+
+def test_mfu_arithmetic():
+    # 1,000 tokens/s x 6e9 FLOPs per token = 6 TFLOP/s of 60 TFLOP/s
+    assert mfu.mfu(1000, 6e9, 60e12) == pytest.approx(0.1)
+    assert mfu.mfu(0, 1, 1) == 0
+    for bad in ((-1, 1, 1), (1, 0, 1), (1, 1, 0)):
+        with pytest.raises(ValueError):
+            mfu.mfu(*bad)
+    before = torch.get_num_threads()
+    rate = mfu.cpu_matmul_rate(n=256, repeats=3, threads=1)
+    assert 0 < rate.low <= rate.median <= rate.high and rate.threads == 1 and "measured" in str(rate)
+    assert torch.get_num_threads() == before  # the caller's thread count is left as it was
