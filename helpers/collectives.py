@@ -1,4 +1,4 @@
-"""Collectives by hand and their cost: the ring all-reduce from isend/recv, the α–β fit, nccl-tests' bandwidths.
+"""Collectives by hand and their cost: a ring all-reduce from isend/recv, timings, the α–β fit, nccl-tests' bandwidths.
 
 The functions are written in notebooks/03-collectives.ipynb, where a learner reads and changes them; the region
 below is exported from there (``make export``). Later notebooks and the tests import them from here.
@@ -6,8 +6,13 @@ below is exported from there (``make export``). Later notebooks and the tests im
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
+
+from ._rank import rank_device
+from .train import sync
 
 
 # ---- exported from notebooks/03-collectives.ipynb: edit it there, then run `make export` ----
@@ -32,6 +37,34 @@ def ring_all_reduce(t):
     for step in range(W - 1):  # all-gather: pass the finished chunks on, so every rank ends with all of them
         exchange(chunks[(r + 1 - step) % W], chunks[(r - step) % W])
     return t
+
+
+def time_collectives(rank, world_size, sizes, repeats, bytes_per_size):
+    """Each op's fastest call per size in seconds, {op: {size: s}}, on this rank: run it under launch.
+
+    Introduced in notebooks/03-collectives.ipynb.
+    """
+    device = rank_device()
+    fastest = {"all_reduce": {}, "all_gather": {}, "reduce_scatter": {}}
+    for size in sizes:
+        full = torch.zeros(size // 4, device=device)  # n bytes of float32; zeros stay zeros however often summed
+        shard = torch.zeros(size // 4 // world_size, device=device)  # this rank's 1/W of it
+        calls = {"all_reduce": lambda: dist.all_reduce(full),
+                 "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
+                 "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full)}
+        for op, call in calls.items():
+            for _ in range(3):
+                call()  # warm-up: buffers allocated, connections made
+            seconds = []
+            for _ in range(max(5, min(repeats, bytes_per_size // size))):
+                dist.barrier()
+                sync(device)
+                start = time.perf_counter()
+                call()
+                sync(device)
+                seconds.append(time.perf_counter() - start)
+            fastest[op][size] = min(seconds)
+    return fastest
 
 
 BUS_FACTOR = {"all_reduce": lambda W: 2 * (W - 1) / W, "all_gather": lambda W: (W - 1) / W,

@@ -1,4 +1,4 @@
-"""helpers.collectives: notebook 03's exported ring all-reduce, α–β fit and nccl-tests bandwidths.
+"""helpers.collectives: notebook 03's exported ring all-reduce, timings, α–β fit and nccl-tests bandwidths.
 
 The lesson is in notebooks/03-collectives.ipynb, whose asserts check it on 4 ranks; these tests check the exported
 code on its own, including the cases the notebook does not run (3 ranks, sizes that do not divide, noisy timings).
@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import QUIET
-from helpers.collectives import BUS_FACTOR, bus_bandwidth, fit_alpha_beta, ring_all_reduce
+from helpers.collectives import BUS_FACTOR, bus_bandwidth, fit_alpha_beta, ring_all_reduce, time_collectives
 from helpers.launch import launch
 
 
@@ -54,3 +54,14 @@ def test_bus_bandwidth_uses_nccl_tests_factors():
     assert BUS_FACTOR["all_reduce"](1) == 0.0  # one rank sends nothing
     with pytest.raises(KeyError):
         bus_bandwidth("gather", 100, 1.0, 2)
+
+
+def test_time_collectives_gives_each_op_its_fastest_call_per_size():
+    """Notebook 04 refits α and β with it: every op, every size, a positive time, the same keys on every rank."""
+    sizes = [64, 2**16]
+    out = launch(time_collectives, 2, sizes, 5, 2**20, backend="gloo", **QUIET)
+    for rank in out:
+        assert set(rank) == {"all_reduce", "all_gather", "reduce_scatter"}
+        assert all(sorted(rank[op]) == sizes and all(0 < s < 5 for s in rank[op].values()) for op in rank)
+    a, b = fit_alpha_beta(sizes, [max(r["all_reduce"][s] for r in out) for s in sizes])
+    assert a > 0 and b > 0
