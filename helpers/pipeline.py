@@ -15,7 +15,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                           ScheduleInterleavedZeroBubble)
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -110,27 +111,32 @@ def check_schedules(rank, world_size, x, y, *, split=4, micro_counts=(1, 2, 4), 
 
 
 # ---- exported from notebooks/10-pipelines.ipynb: edit it there, then run `make export` ----
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,  # one stage per rank
+             "interleaved": ScheduleInterleaved1F1B, "zero-bubble": ScheduleInterleavedZeroBubble}  # several
+
+
 def pp_rank(rank, world_size, x, y, *, micro_counts=(4,), schedule="gpipe", split=4, rounds=0, seed=0,
-            scale_grads=True, dtype=torch.float32):
-    """One stage per rank, torch.distributed.pipelining. Introduced in notebooks/10-pipelines.ipynb."""
-    # returns this stage's gradients (ConvNet's names), the last stage's losses, step times per M, its stage time
+            scale_grads=True, dtype=torch.float32, cuts=(1, 4, 8)):
+    """A rank's stages, torch.distributed.pipelining. Introduced in notebooks/10-pipelines.ipynb."""
+    # returns this rank's gradients (ConvNet's names), the last stage's losses, step times per M, its stage time
     device = stages.plan_pipeline(world_size).devices[rank]  # a GPU per stage (NCCL), else the CPU for every rank
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False  # full fp32 (no TF32)
-    torch.manual_seed(seed)  # every rank builds the same whole model, then keeps its own stage
+    torch.manual_seed(seed)  # every rank builds the same whole model, then keeps its own stages
     net = ConvNet(batch_norm=False)
-    layers = torch.nn.Sequential(*[m for _, m in stages.convnet_layers(net)])  # forward's order (notebook 09)
-    part = (layers[:split], layers[split:])[rank].to(device, dtype)  # the cut: a slice, the same modules
-    Schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    pipes = {m: Schedule(PipelineStage(part, rank, world_size, device), m, loss_fn=F.cross_entropy,
-                         scale_grads=scale_grads) for m in micro_counts}
-    last = rank == world_size - 1
+    layers = torch.nn.Sequential(*net.layer1, *net.layer2, torch.nn.Flatten(1), net.fc)  # forward's order
+    bounds = (0, split, len(layers)) if schedule in ("gpipe", "1f1b") else (0, *cuts, len(layers))
+    parts = [layers[a:b] for a, b in zip(bounds, bounds[1:])]  # the cuts: slices, the same modules
+    n = len(parts)
+    own = list(range(rank, n, world_size))  # stage s on rank s % world_size: rank 0 holds 0 and 2 of 4
+    mine = lambda: [PipelineStage(parts[s].to(device, dtype), s, n, device) for s in own]  # per M: they learn shapes
+    pipes = {m: SCHEDULES[schedule](mine() if n > world_size else mine()[0], m, loss_fn=F.cross_entropy,
+                                    scale_grads=scale_grads) for m in micro_counts}
+    part, first, last = parts[rank], 0 in own, n - 1 in own  # part: what the stage timing below times
 
     def step(m, losses=None):
-        part.zero_grad(set_to_none=True)
-        if rank == 0:
-            pipes[m].step(x.to(device, dtype))  # the first stage feeds the inputs
-        else:
-            pipes[m].step(target=y.to(device), losses=losses)  # the last holds the labels and the loss
+        net.zero_grad(set_to_none=True)
+        args = (x.to(device, dtype),) if first else ()  # the first stage feeds the inputs
+        pipes[m].step(*args, **(dict(target=y.to(device), losses=losses) if last else {}))  # the last: labels, loss
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the clock reads a finished step
 
@@ -148,12 +154,16 @@ def pp_rank(rank, world_size, x, y, *, micro_counts=(4,), schedule="gpipe", spli
         times[m].append(time.perf_counter() - start)
     with torch.no_grad():
         inputs = (x if rank == 0 else layers[:split](x)).to(dtype)  # stage 1's input: stage 0's output (a CPU copy)
-    own = stages.own_stage_seconds(rank, world_size, part, inputs, y if last else None, device, rounds) \
-        if rounds else None
+    own_s = stages.own_stage_seconds(rank, world_size, part, inputs, y if last else None, device, rounds) \
+        if rounds and n == world_size else None
+    order = {r: [(a.stage_index, a.computation_type.value, a.microbatch_index) for a in acts
+                 if a is not None and a.computation_type.value in ("F", "B", "I", "W")]  # passes (no comms, idle)
+             for r, acts in pipes[micro_counts[0]].pipeline_order.items()} if n > world_size else None
     return {"grads": grads, "losses": [t.item() for t in losses] if last else None, "times": times,
-            "stage_seconds": own, "device": str(device)}
+            "stage_seconds": own_s, "device": str(device), "order": order}
 
 
+# Solution to exercise 4 (exported: tests reuse it)
 def hybrid_steps(rank, world_size, dataset, steps, batch_size, lr, *, split=4, seed=0, dtype=torch.float32):
     """DDP over two-stage models. Introduced in notebooks/10-pipelines.ipynb."""
     # launch with init=False: the rank sets up its own group. Returns parameters (ConvNet's names), losses, samples.

@@ -29,6 +29,7 @@ class Slot(NamedTuple):
     mb: int
     start: float
     end: float
+    chunk: int = 0  # the model stage it ran, where a rank holds several (simulate_ranks); else 0
 
 
 def bubble_fraction(n_stages: int, n_micro: int) -> float:
@@ -78,6 +79,38 @@ def simulate(progs, fwd=1.0, bwd=2.0) -> list[Slot]:
                 progressed = True
         if not progressed:
             raise ValueError("these programs deadlock: a pass waits for one that never runs before it")
+    return sorted(slots, key=lambda t: (t.start, t.stage))
+
+
+def simulate_ranks(orders, durations) -> list[Slot]:
+    """Play each rank's order of passes (stage, op, micro-batch), op in F, B, I (input grad), W (weight grad).
+
+    ``orders``: {rank: [(stage, op, mb), ...]}, e.g. a torch schedule's ``pipeline_order``; ``durations``: one pass of
+    one stage, per op. F needs the previous stage's F; B or I needs the next stage's B or I (the last stage: its
+    own F); W needs its own stage's I. A Slot's ``stage`` is the rank, its ``chunk`` the model stage.
+    Introduced in notebooks/10-pipelines.ipynb.
+    """
+    ranks = sorted(orders)
+    last = max(s for r in ranks for s, _, _ in orders[r])
+    done: dict[tuple[str, int, int], float] = {}   # ("F" or "G" (input grad) or "W", stage, mb) -> end time
+    free, nxt, slots = dict.fromkeys(ranks, 0.0), dict.fromkeys(ranks, 0), []
+    while any(nxt[r] < len(orders[r]) for r in ranks):
+        progressed = False
+        for r in ranks:
+            while nxt[r] < len(orders[r]):
+                s, op, mb = orders[r][nxt[r]]
+                dep = {"F": ("F", s - 1, mb) if s > 0 else None, "W": ("G", s, mb)}.get(
+                    op, ("F", s, mb) if s == last else ("G", s + 1, mb))
+                if dep is not None and dep not in done:
+                    break  # waits for another pass
+                start = max(free[r], done.get(dep, 0.0))
+                free[r] = end = start + durations[op]
+                done[("G" if op in "BI" else op, s, mb)] = end
+                slots.append(Slot(r, op, mb, start, end, s))
+                nxt[r] += 1
+                progressed = True
+        if not progressed:
+            raise ValueError("these orders deadlock: a pass waits for one that never runs before it")
     return sorted(slots, key=lambda t: (t.start, t.stage))
 
 
@@ -144,7 +177,7 @@ def predict_step(stage_seconds, n_micro: int, kind: str = "gpipe", backward_shar
     return makespan(slots)
 
 
-def draw_timeline(slots: list[Slot], title: str = "", ax=None, unit: str = "time"):
+def draw_timeline(slots: list[Slot], title: str = "", ax=None, unit: str = "time", row: str = "stage"):
     """A Gantt chart: one row per stage, forward passes blue, backward orange, micro-batch numbers inside.
 
     Introduced in notebooks/09-model-parallel.ipynb.
@@ -153,13 +186,13 @@ def draw_timeline(slots: list[Slot], title: str = "", ax=None, unit: str = "time
 
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 1.2 + 0.5 * (1 + max(t.stage for t in slots))))
-    colours = {"F": "tab:blue", "B": "tab:orange"}
-    for t in slots:
+    colours = {"F": "tab:blue", "B": "tab:orange", "I": "tab:orange", "W": "tab:green"}
+    for t in slots:  # a rank's second model stage (chunk) drawn hatched
         ax.broken_barh([(t.start, t.end - t.start)], (t.stage - 0.4, 0.8), facecolors=colours[t.op],
-                       edgecolor="white")
+                       edgecolor="white", hatch="//" if t.chunk >= 1 + max(u.stage for u in slots) else None)
         ax.text((t.start + t.end) / 2, t.stage, f"{t.op}{t.mb}", ha="center", va="center", fontsize=7, color="white")
     n_stages = 1 + max(t.stage for t in slots)
-    ax.set_yticks(range(n_stages), [f"stage {s}" for s in range(n_stages)])
+    ax.set_yticks(range(n_stages), [f"{row} {s}" for s in range(n_stages)])
     ax.invert_yaxis()
     ax.set_xlabel(unit)
     ax.set_title(f"{title}  (idle {idle_fraction(slots):.0%})".strip())

@@ -268,3 +268,26 @@ def sbatch_dry_run(nodes: int, gpus_per_node: int, *, path=SBATCH, job_id: int =
                 raise RunFailed(f"{path} failed in the dry run (code {res.returncode}): {res.stderr.strip()}")
             out[f"node{node}"] = shlex.join(res.stdout.splitlines())
     return out
+
+
+# ---- exported from notebooks/14-debugging-distributed.ipynb: edit it there, then run `make export` ----
+def flight_recorder_env(dump_dir, buffer_size: int = 2000) -> dict:
+    """NCCL's Flight Recorder on, each rank's dump written into dump_dir on a timeout.
+
+    Introduced in notebooks/14-debugging-distributed.ipynb.
+    """
+    if buffer_size < 1:
+        raise ValueError(f"buffer_size must be ≥ 1, got {buffer_size}")  # 0 turns the recorder off
+    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(buffer_size),  # entries kept per rank (a ring buffer)
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # the watchdog writes the buffer when a collective times out
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(Path(dump_dir) / "rank_")}  # + the rank: rank_0, rank_1, ...
+
+
+def fr_trace_command(dump_dir, *args, python: str = sys.executable) -> list:
+    """torch's analyzer (torchfrtrace) over the dumps in dump_dir, plus args.
+
+    Introduced in notebooks/14-debugging-distributed.ipynb.
+    """
+    return [python, "-m", "torch.distributed.flight_recorder.fr_trace", str(dump_dir), "--prefix", "rank_",
+            *map(str, args)]
+# ---- end of export from notebooks/14-debugging-distributed.ipynb ----

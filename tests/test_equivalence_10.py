@@ -1,9 +1,10 @@
 """Notebook 10's equivalence checks, rerun with their rounding perturbed (tests/perturb.py).
 
 Every check of notebook 10 compares with one process's unsplit ConvNet in float64 and asserts < 1e-10: the
-pipeline's gradients with ``ScheduleGPipe`` and ``Schedule1F1B`` (``pp_rank``), exercise 1's traced stages,
+pipeline's gradients with ``ScheduleGPipe``, ``Schedule1F1B``, and four stages on two ranks with
+``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble`` (``pp_rank``), exercise 1's traced stages,
 exercise 2's ``scale_grads=False`` (against 4 × the gradient), five pipelined SGD steps (``pp_train``), and DDP over
-two-stage models with two and three ranks (``hybrid_steps`` against ``reference_rank``). They run here with the
+two-stage models with two and three ranks (exercises 4 and 5: ``hybrid_steps`` against ``reference_rank``). They run here with the
 notebook's own functions (the cells' launched functions are copied below, the exported ones imported) and smoke
 sizes, for every rounding in ``ROUNDINGS``; the nudge lands on the one-process side. The last test shows the bound
 can fail: float32's rounding alone, and gradients left summed over the micro-batches, exceed it.
@@ -78,7 +79,9 @@ def check_gradients(threads, ulps, dtype="float64"):
     _, (x, y) = _data()
     ref = launch(functools.partial(perturbed(_unsplit_grads, threads, ulps), dtype=dt), 1, x, y, **QUIET)[0]
     out = {}
-    for name, kw in {"gpipe": {}, "1f1b": {"schedule": "1f1b"}, "unscaled": {"scale_grads": False}}.items():
+    runs = {"gpipe": {}, "1f1b": {"schedule": "1f1b"}, "interleaved": {"schedule": "interleaved"},
+            "zero-bubble": {"schedule": "zero-bubble"}, "unscaled": {"scale_grads": False}}
+    for name, kw in runs.items():
         run = functools.partial(perturbed(pp_rank, threads, 0), micro_counts=(N_MICRO,), split=SPLIT, seed=SEED,
                                 dtype=dt, **kw)
         res = launch(run, 2, x, y, **QUIET)
@@ -100,7 +103,7 @@ def _pp_train(rank, world_size, batches, lr, dtype, n_micro=N_MICRO):  # noteboo
     device = stages.plan_pipeline(2).devices[rank]
     torch.manual_seed(SEED)
     net = ConvNet(batch_norm=False)
-    layers = torch.nn.Sequential(*[m for _, m in stages.convnet_layers(net)])
+    layers = torch.nn.Sequential(*net.layer1, *net.layer2, torch.nn.Flatten(1), net.fc)
     part = (layers[:SPLIT], layers[SPLIT:])[rank].to(device, dtype)
     schedule = ScheduleGPipe(PipelineStage(part, rank, world_size, device), n_micro, loss_fn=F.cross_entropy)
     opt = torch.optim.SGD(part.parameters(), lr=lr, momentum=0.9)
@@ -109,7 +112,7 @@ def _pp_train(rank, world_size, batches, lr, dtype, n_micro=N_MICRO):  # noteboo
         if rank == 0:
             schedule.step(xb.to(device, dtype))
         else:
-            schedule.step(target=yb.to(device), losses=[])
+            schedule.step(target=yb.to(device))
         opt.step()
     return {k: p.detach().cpu() for k, p in net.named_parameters() if p.grad is not None}
 
@@ -194,11 +197,13 @@ def _summed_vs_mean(threads):
 def check_bound_fails(threads, ulps):
     grads32 = check_gradients(threads, 1, "float32")  # float32, the unsplit side one ulp off
     return {"float32_gpipe": grads32["gpipe"], "float32_1f1b": grads32["1f1b"],
+            "float32_interleaved": grads32["interleaved"], "float32_zero_bubble": grads32["zero-bubble"],
             "float32_train": check_training(threads, 1, "float32", worlds=())["train"], "summed": _summed_vs_mean(threads)}
 
 
 def test_the_bound_fails_for_float32_and_summed_micro_batch_gradients():
     out = run_check(__file__, "check_bound_fails", 1, 0)
     print(out)
-    assert min(out["float32_gpipe"], out["float32_1f1b"], out["float32_train"]) > TOLERANCE, "float32 exceeds it"
+    float32 = ("float32_gpipe", "float32_1f1b", "float32_interleaved", "float32_zero_bubble", "float32_train")
+    assert min(out[k] for k in float32) > TOLERANCE, "float32 exceeds it"
     assert out["summed"] > 1e-4, "gradients summed over the micro-batches are off by (M − 1) × the gradient"

@@ -79,6 +79,35 @@ def test_torch_pipelining_on_two_ranks_equals_the_unsplit_model(schedule):
                for i, r in enumerate(out))
 
 
+@pytest.mark.parametrize("schedule", ["interleaved", "zero-bubble"])
+def test_two_stages_per_rank_equal_the_unsplit_model_and_return_torch_s_order(schedule):
+    """Four stages on two ranks (rank r holds r and r + 2): the batch's gradient, the loss on rank 1 (stage 3), and
+    the order torch runs, whose simulated bubble is the Megatron paper's (p−1)/(v·m) for interleaved 1F1B."""
+    x, y = batch(16)
+    out = launch(functools.partial(pipeline.pp_rank, micro_counts=(4, 8), schedule=schedule, rounds=1, dtype=EXACT), 2,
+                 x, y, **QUIET)
+    got = {**out[0]["grads"], **out[1]["grads"]}
+    assert models.max_param_diff(unsplit_grads(x, y), got) < TOLERANCE
+    assert out[0]["losses"] is None and len(out[1]["losses"]) == 4 and out[0]["stage_seconds"] is None
+    order = out[0]["order"]
+    assert {r: sorted({st for st, _, _ in acts}) for r, acts in order.items()} == {0: [0, 2], 1: [1, 3]}
+    ops = {op for acts in order.values() for _, op, _ in acts}
+    assert ops == ({"F", "B"} if schedule == "interleaved" else {"F", "I", "W"})
+    slots = schedules.simulate_ranks(order, {"F": 0.5, "B": 1.0, "I": 0.5, "W": 0.5})
+    busy = sum(t.end - t.start for t in slots)
+    of_ideal = (2 * schedules.makespan(slots) - busy) / busy
+    if schedule == "interleaved":
+        assert of_ideal == pytest.approx((2 - 1) / (2 * 4))
+    else:
+        assert of_ideal < (2 - 1) / (2 * 4)
+
+
+def test_the_interleaved_schedule_refuses_a_micro_batch_count_that_is_no_multiple_of_its_rounds():
+    x, y = batch(10)
+    with pytest.raises(RankFailed, match="multiple of the number of rounds"):
+        launch(functools.partial(pipeline.pp_rank, micro_counts=(5,), schedule="interleaved"), 2, x, y, **QUIET)
+
+
 def test_pp_rank_under_a_mocked_single_gpu_measures_pipeline_and_stages_on_the_cpu(monkeypatch):
     """One GPU: the ranks would share it, so the plan puts the pipeline on the CPU, and the stage times with it."""
     monkeypatch.setattr(stages, "gpu_count", lambda: 1)  # read in the forked ranks by plan_pipeline

@@ -186,3 +186,26 @@ def test_notebook_10_header_says_where_its_ranks_run_with_one_gpu(monkeypatch):
     assert {d.type for d in stages.plan_pipeline(2).devices} == {"cpu"}
     hybrid = stages.plan_hybrid(2, 2)
     assert {str(d) for rank in hybrid.devices for d in rank} == {"cuda:0"} and hybrid.backend == "gloo"
+
+
+def test_simulate_ranks_plays_one_stage_per_rank_as_simulate_does():
+    for kind in schedules.KINDS:
+        progs = schedules.programs(kind, 3, 5)
+        orders = {s: [(s, op, mb) for op, mb in prog] for s, prog in enumerate(progs)}
+        got = schedules.simulate_ranks(orders, {"F": 1.0, "B": 2.0})
+        want = schedules.simulate(progs, 1.0, 2.0)
+        assert [(t.stage, t.op, t.mb, t.start, t.end) for t in got] == [tuple(t)[:5] for t in want]
+
+
+def test_simulate_ranks_follows_stage_dependencies_across_ranks_and_w_after_i():
+    # two stages per rank, interleaved placement (stage s on rank s % 2), one micro-batch, backward split in I and W
+    orders = {0: [(0, "F", 0), (2, "F", 0), (2, "I", 0), (2, "W", 0), (0, "I", 0), (0, "W", 0)],
+              1: [(1, "F", 0), (3, "F", 0), (3, "I", 0), (1, "I", 0), (3, "W", 0), (1, "W", 0)]}
+    slots = {(t.chunk, t.op): t for t in schedules.simulate_ranks(orders, {"F": 1, "I": 1, "W": 1})}
+    assert [slots[(s, "F")].start for s in range(4)] == [0, 1, 2, 3]  # the forward crosses the ranks in stage order
+    assert slots[(3, "I")].start == 4 and slots[(2, "I")].start == 5  # stage 2's I waits for stage 3's
+    assert slots[(1, "I")].start == 6 and slots[(0, "I")].start == 7
+    assert all(slots[(s, "W")].start >= slots[(s, "I")].end for s in range(4))
+    assert slots[(3, "W")].start == 7  # rank 1 ran 1I at 6, then 3W: a W fills the time the rank would wait
+    with pytest.raises(ValueError, match="deadlock"):
+        schedules.simulate_ranks({0: [(0, "W", 0), (0, "F", 0), (0, "I", 0)]}, {"F": 1, "I": 1, "W": 1})
