@@ -83,33 +83,6 @@ def autocast(device, amp: str | None):
     return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
 
 
-class Tally:
-    """Running loss and accuracy kept on the device; ``stats()`` reads them with one sync, at the end.
-
-    Introduced in notebooks/01-single-gpu.ipynb.
-    """
-
-    def __init__(self, device):
-        self.device = torch.device(device)
-        self.loss = torch.zeros((), device=self.device)
-        self.correct = torch.zeros((), dtype=torch.long, device=self.device)
-        self.seen = 0
-        sync(self.device)
-        self.start = time.perf_counter()
-
-    def add(self, loss_sum, out, y) -> None:
-        self.loss += loss_sum
-        self.correct += (out.argmax(1) == y).sum()
-        self.seen += y.shape[0]
-
-    def stats(self) -> Stats:
-        sync(self.device)
-        seconds = time.perf_counter() - self.start
-        if self.seen == 0:
-            raise ValueError("the loader produced no batches")
-        return Stats(self.loss.item() / self.seen, self.correct.item() / self.seen, self.seen, seconds)
-
-
 def stop_if_asked(stop, tally: Tally, step: int) -> None:
     """Raise ``helpers.Stopped`` (with the pass so far as ``partial``) once ``stop`` (a threading.Event) is set.
 
@@ -195,6 +168,30 @@ def fit(model, train_loader, test_loader, optimizer, device, epochs: int, *, amp
 
 
 # ---- exported from notebooks/01-single-gpu.ipynb: edit it there, then run `make export` ----
+class Tally:
+    """Running loss and accuracy kept on the device. Introduced in notebooks/01-single-gpu.ipynb."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.loss = torch.zeros((), device=self.device)  # sums, on the device
+        self.correct = torch.zeros((), dtype=torch.long, device=self.device)
+        self.seen = 0  # a Python int: the batch sizes are known without asking the device
+        sync(self.device)
+        self.start = time.perf_counter()
+
+    def add(self, loss_sum, out, y) -> None:  # queues two additions on the device; waits for nothing
+        self.loss += loss_sum
+        self.correct += (out.argmax(1) == y).sum()
+        self.seen += y.shape[0]
+
+    def stats(self) -> Stats:  # the one wait of a pass: read the sums
+        sync(self.device)
+        seconds = time.perf_counter() - self.start
+        if self.seen == 0:
+            raise ValueError("the loader produced no batches")
+        return Stats(self.loss.item() / self.seen, self.correct.item() / self.seen, self.seen, seconds)
+
+
 @torch.no_grad()
 def evaluate(model, loader, device, *, amp=None, loss_fn=F.cross_entropy) -> Stats:
     """Mean loss and accuracy over ``loader``, without gradients.

@@ -168,14 +168,14 @@ def test_a_step_skipped_by_the_grad_scaler_does_not_advance_the_schedule():
 
 
 def test_the_loop_and_the_model_are_the_ones_written_in_notebook_01():
-    """train_one_epoch, evaluate and ConvNet are exported from 01's cells (scripts/export.py): the same text."""
+    """Tally, train_one_epoch, evaluate and ConvNet are exported from 01's cells (scripts/export.py): the same text."""
     import inspect
     import json
     from pathlib import Path
 
     nb = json.loads((Path(__file__).resolve().parent.parent / "notebooks" / "01-single-gpu.ipynb").read_text())
     cells = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
-    for obj in (train.train_one_epoch, train.evaluate, models.ConvNet):
+    for obj in (train.Tally, train.train_one_epoch, train.evaluate, models.ConvNet):
         assert inspect.getsource(obj) in cells, f"{obj.__name__} is not the code notebook 01 writes"
 
 
