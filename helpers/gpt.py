@@ -76,7 +76,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token and position embeddings, n_layer blocks, a final norm and an untied head. Introduced in notebooks/08-memory.ipynb."""
+    """Token and position embeddings, n_layer blocks, a final norm and an untied head.
+
+    Introduced in notebooks/08-memory.ipynb.
+    """
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -128,7 +131,10 @@ def matmul_params(model: GPT) -> int:
 
 
 def train_flops_per_token(cfg: GPTConfig, T: int, n_matmul: int, *, fused_attention: bool = True) -> int:
-    """Forward + backward FLOPs a token at context T, as FlopCounterMode counts them. Introduced in notebooks/08-memory.ipynb."""
+    """Forward + backward FLOPs a token at context T, as FlopCounterMode counts them.
+
+    Introduced in notebooks/08-memory.ipynb.
+    """
     # 6 a multiplying parameter: 2 forward, 4 backward. Attention: products of 2·T·d FLOPs a token and layer,
     # counted whole (the half the causal mask skips too): QKᵀ and PV forward; dP, dV, dQ, dK backward. A fused
     # kernel (flash, memory-efficient, cuDNN, the CPU's flash) keeps no T×T P, so its backward recomputes QKᵀ

@@ -40,7 +40,8 @@ def _stdlib_topics() -> tuple[bytes, str]:
         ) from None
     # sorted by topic name: the same bytes whatever order the dict was written in
     text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
-    return text.encode("utf-8"), f"pydoc_data.topics of Python {sys.version_info.major}.{sys.version_info.minor} ({topics.__file__})"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    return text.encode("utf-8"), f"pydoc_data.topics of Python {version} ({topics.__file__})"
 
 
 def load_corpus(path: str | os.PathLike | None = None) -> tuple[bytes, str]:
@@ -68,7 +69,10 @@ def load_corpus(path: str | os.PathLike | None = None) -> tuple[bytes, str]:
 
 
 def corpus_info(data: bytes, where: str) -> str:
-    """One line a learner can compare with another's: size, sha256 prefix, source. Introduced in notebooks/08-memory.ipynb."""
+    """One line a learner can compare with another's: size, sha256 prefix, source.
+
+    Introduced in notebooks/08-memory.ipynb.
+    """
     return f"{len(data):,} bytes, sha256 {hashlib.sha256(data).hexdigest()[:12]}, from {where}"
 
 
@@ -98,7 +102,10 @@ def random_windows(tokens: torch.Tensor, batch: int, seq_len: int, generator: to
 
 
 def decode(tokens) -> str:
-    """Bytes back to text (a cut in the middle of a UTF-8 character shows as �). Introduced in notebooks/08-memory.ipynb."""
+    """Bytes back to text (a cut in the middle of a UTF-8 character shows as �).
+
+    Introduced in notebooks/08-memory.ipynb.
+    """
     return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
 
 

@@ -1,58 +1,43 @@
 """Notebook 08's equivalence check, rerun with its rounding perturbed (tests/perturb.py).
 
-Section 4 checks that activation checkpointing leaves the gradients alone: the same MLP blocks, plain and
-checkpointed (``checkpoint(block, x, use_reentrant=False)``), one backward pass each, compared in float64 with
-< 1e-10. The blocks and the gradient part of ``recompute_cost`` are copied from the notebook's cells (they are
-defined there, not exported) at its smoke sizes; the nudge lands on the plain model (its forward runs first). The
-last test shows the bound can fail: float32's rounding alone (one side one ulp off) and a recompute that sees other
-weights exceed it.
+Section 4 checks that activation checkpointing leaves the gradients alone: the course's GPT, plain and with every
+block checkpointed (``GPT.checkpointing``: ``checkpoint(block, x, use_reentrant=False)``), one backward pass each,
+compared in float64 with < 1e-10. The GPT is imported from helpers/gpt.py (exported from the notebook);
+``checkpointed`` and the gradient part of ``recompute_cost`` are copied from the notebook's cells at its smoke sizes;
+the nudge lands on the plain model (its forward runs first). The last test shows the bound can fail: float32's
+rounding alone (one side one ulp off) and a recompute that sees other weights exceed it.
 """
 
 import pytest
 from perturb import ROUNDINGS, perturbed, run_check
 
 TOLERANCE = 1e-10  # notebook 08, section 4
-WIDTH, BLOCKS, TOKENS, SEED = 128, 4, 256, 0  # notebook 08's parameters cell, smoke sizes
+SIZES = dict(n_layer=2, n_head=2, d_model=64, seq_len=64)  # notebook 08's parameters cell, smoke sizes
+BATCH, SEED = 8, 0
 
 
 def _grad_gap(rank, world_size, dtype, other_weights=False):
     import torch
-    import torch.nn.functional as F
-    from torch import nn
-    from torch.utils.checkpoint import checkpoint
 
-    class Block(nn.Module):  # notebook 08, section 1
-        def __init__(self, width):
-            super().__init__()
-            self.norm = nn.LayerNorm(width)
-            self.fc1 = nn.Linear(width, 4 * width)
-            self.fc2 = nn.Linear(4 * width, width)
+    from helpers import text
+    from helpers.gpt import GPT, GPTConfig, gpt_loss
 
-        def forward(self, x):
-            return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
-
-    class Net(nn.Module):
-        def __init__(self, width, blocks, checkpointed=()):
-            super().__init__()
-            self.blocks = nn.ModuleList(Block(width) for _ in range(blocks))
-            self.checkpointed = set(checkpointed)
-
-        def forward(self, x):
-            for i, block in enumerate(self.blocks):
-                x = checkpoint(block, x, use_reentrant=False) if i in self.checkpointed else block(x)
-            return x
-
-    x = torch.randn(TOKENS, WIDTH)
+    cfg = GPTConfig(**SIZES)
+    data, _ = text.load_corpus()
+    train_tokens, _ = text.byte_splits(data, held_out=0.1)
+    x, y = text.random_windows(train_tokens, BATCH, cfg.seq_len, torch.Generator().manual_seed(SEED))
     torch.manual_seed(SEED)
-    plain = Net(WIDTH, BLOCKS)
-    kept = Net(WIDTH, BLOCKS, checkpointed=range(BLOCKS))
+    plain = GPT(cfg)
+    kept = GPT(cfg)  # notebook 08's checkpointed(): a twin with the plain model's weights
     if not other_weights:  # other_weights: the bug of a checkpointed model that lacks the plain one's weights
         kept.load_state_dict(plain.state_dict())
-    plain, kept = plain.to(dtype), kept.to(dtype)
+    kept.checkpointing = True
+    grads = []
     for model in (plain, kept):  # recompute_cost's step: the plain model's forward runs first
-        model.zero_grad(set_to_none=True)
-        model(x.to(dtype)).pow(2).mean().backward()
-    return max((p.grad - q.grad).abs().max().item() for p, q in zip(plain.parameters(), kept.parameters()))
+        model.to(dtype).zero_grad(set_to_none=True)
+        gpt_loss(model, x, y).backward()
+        grads.append([p.grad for p in model.parameters()])
+    return max((g - k).abs().max().item() for g, k in zip(*grads))
 
 
 def check_checkpointing(threads, ulps, dtype="float64", other_weights=False):
