@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-# Dense BF16 tensor-core TFLOP/s (FP16 for the T4, which has no BF16), from NVIDIA's datasheets; the datasheets
-# print the 2:4-sparse figure with an asterisk, the dense one is half of it. Matched against the NVML name in order,
-# so the more specific names come first.
+# Dense BF16 tensor-core TFLOP/s (FP16 for the T4, which has no BF16), from NVIDIA's datasheets; where a datasheet
+# prints the 2:4-sparse figure (with an asterisk), the dense one is half of it (the T4, a Turing GPU, has no
+# sparsity). Matched against the NVML name in order, so the more specific names come first ("L40S", "L40", "L4").
 DATASHEET_TFLOPS = [
     # (substring of the NVML name, dense TFLOP/s, dtype, source)
     ("H100 PCIe", 756.0, "bf16", "https://www.nvidia.com/en-us/data-center/h100/ (datasheet: H100 PCIe, 1,513 sparse)"),
@@ -31,11 +31,12 @@ DATASHEET_TFLOPS = [
     ("A100", 312.0, "bf16", "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
                             "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf (624 sparse)"),
     ("L40S", 362.0, "bf16", "https://www.nvidia.com/en-us/data-center/l40s/ (datasheet: 733 sparse)"),
+    ("L40", 181.0, "bf16", "https://www.nvidia.com/en-us/data-center/l40/ (datasheet: 181.05 dense, 362.1 sparse)"),
     ("L4", 121.0, "bf16", "https://www.nvidia.com/en-us/data-center/l4/ (datasheet: 242 sparse)"),
     ("A10", 125.0, "bf16", "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a10/pdf/"
                            "datasheet-new/nvidia-a10-datasheet.pdf (250 sparse)"),
     ("RTX 4090", 165.2, "bf16", "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/"
-                                "nvidia-ada-gpu-architecture.pdf (table 2: FP32 accumulate, 330.3 sparse)"),
+                                "nvidia-ada-gpu-architecture.pdf (BF16 with FP32 accumulate: 165.2 dense, 330.4 sparse)"),
     ("T4", 65.0, "fp16", "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/"
                          "t4-tensor-core-datasheet-951643.pdf (mixed precision FP16/FP32)"),
 ]

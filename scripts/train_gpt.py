@@ -65,7 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (0: at the end only)")
     p.add_argument("--eval-batches", type=int, default=4, help="held-out windows: this many global batches")
     p.add_argument("--sample", type=int, default=0, help="bytes to generate before and after training")
-    p.add_argument("--peak-flops", type=float, default=None, help="the peak for MFU (default: datasheet or measured)")
+    p.add_argument("--peak-flops", type=float, default=None,
+                   help="one device's peak FLOP/s for MFU, times the GPUs (default: the datasheet's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a collective may wait before failing")
     args = p.parse_args(argv)
@@ -190,7 +191,10 @@ def held_out(model, val, size, args, mesh, device) -> float:
 
 def sample(model, rank, args, step) -> None:
     if args.sample:  # every worker runs the forward (it is sharded); the same generator: the same bytes on all
-        out = generate(model, text.encode(PROMPT), args.sample, generator=torch.Generator().manual_seed(args.seed))
+        # eager, even with --compile: prompts of every length would recompile the blocks with dynamic shapes, and the
+        # training step compiled after them failed (torch 2.15, CPU: RecursionError in the backward's compile)
+        with torch.compiler.set_stance("force_eager"):
+            out = generate(model, text.encode(PROMPT), args.sample, generator=torch.Generator().manual_seed(args.seed))
         emit(rank, event="sample", step=step, text=PROMPT + text.decode(out))
 
 
@@ -232,8 +236,9 @@ def train(args) -> None:
     train_tokens, val_tokens = text.byte_splits(corpus)
     model = build(args, cfg, mesh, device, dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=size["lr"], weight_decay=0.1, betas=(0.9, 0.95))
-    flops_per_token = train_flops_per_token(cfg, cfg.seq_len, matmul_params(GPT(cfg)))  # the whole model's
-    peak, peak_label = peak_of(args, device)
+    # the whole model's FLOPs, PaLM's count (6N + 12LHQT): not the QK^T a fused kernel's backward recomputes
+    flops_per_token = train_flops_per_token(cfg, cfg.seq_len, matmul_params(GPT(cfg)), fused_attention=False)
+    peak, peak_label = peak_of(args, device, world)
     emit(rank, event="start", world=world, dp=mesh["dp"].size(), tp=args.tp, device=str(device),
          backend=dist.get_backend(), dtype=str(dtype).replace("torch.", ""), size=size, compile=args.compile,
          ac=not args.no_ac, flops_per_token=flops_per_token, peak_flops=peak, peak=peak_label, corpus=where)
@@ -262,12 +267,15 @@ def train(args) -> None:
     emit(rank, event="done", step=step, seconds=time.perf_counter() - t_start)
 
 
-def peak_of(args, device) -> tuple[float | None, str]:
+def peak_of(args, device, world: int = 1) -> tuple[float | None, str]:
+    # the global batch's tokens/s are measured against every GPU's peak; CPU workers share one machine's rate
+    gpus = world if device.type == "cuda" else 1
     if args.peak_flops:
-        return args.peak_flops, "given (--peak-flops)"
+        return args.peak_flops * gpus, f"given (--peak-flops) x {gpus}"
     if device.type == "cuda":
         found = mfu.datasheet_peak(torch.cuda.get_device_name(device))
-        return (found[0], f"datasheet dense {found[1]}") if found else (None, "no datasheet figure for this GPU")
+        return (found[0] * gpus, f"datasheet dense {found[1]} x {gpus}") if found else (
+            None, "no datasheet figure for this GPU")
     return None, "not measured (pass --peak-flops)"
 
 

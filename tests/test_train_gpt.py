@@ -119,6 +119,9 @@ def test_sizes_are_chosen_from_the_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA H100 80GB HBM3")
     peak, label = script.peak_of(args, torch.device("cuda", 0))
     assert peak == 989e12 and "datasheet" in label
+    assert script.peak_of(args, torch.device("cuda", 0), 4)[0] == 4 * 989e12  # the global batch on 4 GPUs
+    given = script.parse_args(["--peak-flops", "5e10"])
+    assert script.peak_of(given, torch.device("cpu"), 4)[0] == 5e10  # CPU workers share one machine's rate
 
 
 def test_datasheet_peaks():
@@ -127,6 +130,7 @@ def test_datasheet_peaks():
     assert mfu.datasheet_peak("NVIDIA H200")[0] == 989e12 and mfu.datasheet_peak("NVIDIA H200 NVL")[0] == 835e12
     assert mfu.datasheet_peak("NVIDIA A100-SXM4-80GB")[0] == 312e12
     assert mfu.datasheet_peak("NVIDIA L4")[0] == 121e12 and mfu.datasheet_peak("NVIDIA L40S")[0] == 362e12
+    assert mfu.datasheet_peak("NVIDIA L40")[0] == 181e12  # not the L4's 121: "L4" is a substring of "L40"
     assert mfu.datasheet_peak("Tesla T4")[:2] == (65e12, "fp16")
     assert mfu.datasheet_peak("NVIDIA A10")[0] == 125e12
     assert mfu.datasheet_peak("NVIDIA GeForce RTX 4090")[0] == pytest.approx(165.2e12)
