@@ -43,11 +43,13 @@ from pathlib import Path
 import pytest
 
 # (torch threads per rank, ulps of the nudge on one side): the notebook's own setting, another summation order,
-# and one side's initial weights one ulp off.
+# and one side's initial weights one ulp off. The two perturbed runs carry the `perturbed` mark: `make test` runs
+# them on the newest torch; `make test-oldest` deselects them (-m "not perturbed") and keeps each check's plain run:
+# the perturbations show that a bound cannot pass by luck, which one torch shows; the oldest one needs the check to hold.
 ROUNDINGS = [
     pytest.param(1, 0, id="1-thread"),
-    pytest.param(2, 0, id="2-threads"),
-    pytest.param(1, 1, id="1-thread-nudged"),
+    pytest.param(2, 0, id="2-threads", marks=pytest.mark.perturbed),
+    pytest.param(1, 1, id="1-thread-nudged", marks=pytest.mark.perturbed),
 ]
 
 _RESULT = "PERTURB-RESULT "

@@ -38,6 +38,11 @@ ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 ARTEFACTS = Path(os.environ.get("BROWSER_ARTEFACTS", ROOT / ".pytest_cache" / "browser"))
 NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]-*.ipynb"))
+# Which notebooks this test runs: "panels" (default: the notebooks with a panel, which only a browser can click;
+# `make test` runs the others with nbmake), "all" (every notebook: the screenshots a learner-read needs), or names.
+BROWSER_NOTEBOOKS = os.environ.get("BROWSER_NOTEBOOKS", "panels")
+# Where to record each notebook that ran clean (tests/ran_in_browser.py), so that nbmake does not run it again.
+RAN_CLEAN = os.environ.get("BROWSER_RAN_CLEAN")
 # Smoke mode unless BROWSER_SMOKE=0: then the notebooks run at full size, as a learner runs them (slower).
 BROWSER_SMOKE = os.environ.get("BROWSER_SMOKE", "1")
 RUN_ALL_TIMEOUT = 300 if BROWSER_SMOKE != "0" else 900  # seconds per notebook; smoke: each well under 2 minutes
@@ -351,8 +356,21 @@ def _click_run_stop_run(page, lab: Lab, name: str, check: PanelCheck) -> None:
     assert not left, f"processes left after the run finished: {[p.pid for p in left]}"
 
 
+def _chosen(notebooks: list[str], choice: str) -> list[str]:
+    """The notebooks BROWSER_NOTEBOOKS asks for: "panels", "all", or comma-separated names or numbers ("04,10")."""
+    if choice == "all":
+        return notebooks
+    if choice == "panels":
+        return [n for n in notebooks if n in PANELS]
+    wanted = [w.strip() for w in choice.split(",") if w.strip()]
+    chosen = [n for n in notebooks if any(n == w or n.startswith(f"{w}-") for w in wanted)]
+    if len(chosen) < len(wanted):
+        raise ValueError(f"BROWSER_NOTEBOOKS={choice!r}: no notebook for some of {wanted}; use panels, all or names")
+    return chosen
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NOTEBOOKS)
+@pytest.mark.parametrize("name", _chosen(NOTEBOOKS, BROWSER_NOTEBOOKS))
 def test_notebook_in_the_browser(lab, browser, name):
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     try:
@@ -362,6 +380,19 @@ def test_notebook_in_the_browser(lab, browser, name):
     finally:
         page.close()
         lab.shutdown_kernels()
+    if RAN_CLEAN:  # reached only when Run All and the panel checks passed
+        from ran_in_browser import record
+
+        with open(RAN_CLEAN, "a") as f:
+            f.write(record(name, ROOT / "notebooks" / name, BROWSER_SMOKE) + "\n")
+
+
+def test_browser_notebooks_choice():
+    assert _chosen(NOTEBOOKS, "panels") == sorted(PANELS)
+    assert _chosen(NOTEBOOKS, "all") == NOTEBOOKS
+    assert _chosen(NOTEBOOKS, "04,10-pipelines.ipynb") == ["04-ddp.ipynb", "10-pipelines.ipynb"]
+    with pytest.raises(ValueError, match="no notebook"):
+        _chosen(NOTEBOOKS, "99")
 
 
 def test_every_panel_is_clicked_by_this_test():
