@@ -7,7 +7,7 @@ CONSTRAINTS ?= constraints.txt
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: lab test test-oldest unit notebooks notebooks-after-browser install-venv browser bench export audit readme timings clean-outputs clean
+.PHONY: lab test test-oldest unit notebooks notebooks-after-browser install-venv browser gpu-check bench export audit readme timings clean-outputs clean
 
 # Each phase of `make test` / `make test-oldest` runs under scripts/phase.sh, which appends its name, seconds and exit
 # status to $(PHASE_LOG) (.ci/run prints the table at the end).
@@ -69,6 +69,12 @@ notebooks: $(STAMP)
 notebooks-after-browser: $(STAMP)
 	PYTHONPATH=tests $(PHASE) "notebooks, nbmake (torch $(TORCH_PIN))" $(NBMAKE) -p ran_in_browser \
 		--ran-in-browser $(BROWSER_RAN) notebooks/
+
+# On a GPU machine, one table of what the course's GPU routes do there (scripts/gpu_check.py: about 5 minutes on one
+# GPU). Where torch is the machine's own and there is no venv (the lent GPU machine): make gpu-check GPU_PY=python3.
+gpu-check:
+	@if [ -z "$(GPU_PY)" ]; then $(MAKE) --no-print-directory $(STAMP); fi
+	$(or $(GPU_PY),$(PY)) scripts/gpu_check.py
 
 bench: $(STAMP)
 	$(PY) scripts/bench_train_loop.py
