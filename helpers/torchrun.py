@@ -272,14 +272,14 @@ def sbatch_dry_run(nodes: int, gpus_per_node: int, *, path=SBATCH, job_id: int =
 
 # ---- exported from notebooks/14-debugging-distributed.ipynb: edit it there, then run `make export` ----
 def flight_recorder_env(dump_dir, buffer_size: int = 2000) -> dict:
-    """NCCL's Flight Recorder on, each rank's dump written into dump_dir on a timeout.
+    """NCCL's Flight Recorder spelled out: torch's defaults (on, dump on timeout) and each rank's dump in dump_dir.
 
     Introduced in notebooks/14-debugging-distributed.ipynb.
     """
     if buffer_size < 1:
         raise ValueError(f"buffer_size must be ≥ 1, got {buffer_size}")  # 0 turns the recorder off
     return {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(buffer_size),  # entries kept per rank (a ring buffer)
-            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # the watchdog writes the buffer when a collective times out
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # the watchdog writes the buffer on a timeout (torch's default)
             "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(Path(dump_dir) / "rank_")}  # + the rank: rank_0, rank_1, ...
 
 
