@@ -1,9 +1,11 @@
 """The course's GPT: a small decoder-only transformer, written in notebooks/08-memory.ipynb and exported here.
 
 From notebook 08 on, the course's model is this GPT (15 FSDP2, 17 tensor parallelism, the capstone, context and
-expert parallelism). Its layout follows torchtitan's Llama and nanoGPT so that what a learner meets there has the same
-names: separate ``q``, ``k``, ``v`` and ``o`` projections (tensor parallelism shards heads by splitting q/k/v by
-columns and o by rows), a pre-norm ``Block`` of attention and MLP, a final norm and an untied ``head``. Attention runs
+expert parallelism). Its layout is torchtitan's Llama with shorter names: separate ``q``, ``k``, ``v`` and ``o``
+projections (torchtitan's ``wq`` ... ``wo``; tensor parallelism shards heads by splitting q/k/v by columns and o by
+rows), a pre-norm ``Block`` of attention and an MLP of ``up`` and ``down`` (``w1``, ``w2``; torchtitan's SwiGLU adds
+``w3``), a final norm and an untied ``head`` (``output``). nanoGPT instead fuses q, k, v into one ``c_attn`` and ties
+its head to the token embedding. Attention runs
 through ``F.scaled_dot_product_attention(is_causal=True)``; reshapes use ``-1`` heads so that a rank holding some of
 the heads runs the same forward.
 """
@@ -114,17 +116,6 @@ def gpt_loss(model, x, y):
     return F.cross_entropy(logits.float() if logits.dtype.itemsize < 4 else logits, y.flatten())  # 16 bits: in 32
 
 
-@torch.no_grad()
-def generate(model, prompt, new_tokens: int, temperature: float = 0.8, generator=None):
-    """Sample ``new_tokens`` bytes after ``prompt`` (1-D ids). Introduced in notebooks/08-memory.ipynb."""
-    idx = prompt[None].to(next(model.parameters()).device)
-    for _ in range(new_tokens):
-        logits = model(idx[:, -model.cfg.seq_len:])[:, -1].float() / temperature
-        nxt = torch.multinomial(F.softmax(logits, -1).cpu(), 1, generator=generator).to(idx.device)
-        idx = torch.cat([idx, nxt], dim=1)
-    return idx[0, len(prompt):]
-
-
 def matmul_params(model: GPT) -> int:
     """Parameters that multiply: every Linear's weight. Introduced in notebooks/08-memory.ipynb."""
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
@@ -144,3 +135,14 @@ def train_flops_per_token(cfg: GPTConfig, T: int, n_matmul: int, *, fused_attent
     products = 7 if fused_attention else 6
     return 6 * n_matmul + 2 * products * cfg.n_layer * T * cfg.d_model
 # ---- end of export from notebooks/08-memory.ipynb ----
+
+
+@torch.no_grad()
+def generate(model, prompt, new_tokens: int, temperature: float = 0.8, generator=None):
+    """Sample ``new_tokens`` bytes after ``prompt`` (1-D ids). Introduced in notebooks/08-memory.ipynb."""
+    idx = prompt[None].to(next(model.parameters()).device)
+    for _ in range(new_tokens):
+        logits = model(idx[:, -model.cfg.seq_len:])[:, -1].float() / temperature
+        nxt = torch.multinomial(F.softmax(logits, -1).cpu(), 1, generator=generator).to(idx.device)
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx[0, len(prompt):]
