@@ -518,6 +518,8 @@ def plan(world_size: int, n_gpus: int | None = None, backend: str | None = None)
             "Use backend='gloo' (or None), or ask for fewer ranks."
         )
     chosen = backend or best
-    if chosen != best:
-        what += f" [backend forced to {chosen}]"
+    if chosen != best:  # only gloo can be forced: on ranks with a GPU each, where NCCL is the default
+        each = "ranks, each on its own GPU" if world_size > 1 else "rank on a GPU"
+        what = (f"{world_size} {each}, joined over gloo "
+                "(asked for; NCCL is the default here): the GPUs compute, the collectives are gloo's, not NCCL's")
     return Plan(devices=devices, backend=chosen, kind=kind, sentence=what)

@@ -93,25 +93,23 @@ def stop_if_asked(stop, tally: Tally, step: int) -> None:
                       partial=tally.stats() if tally.seen else None)
 
 
-def schedule_after_step(scheduler, scaler):
-    """A function to call after each optimizer step: steps ``scheduler``, unless fp16's GradScaler skipped the step.
+@contextlib.contextmanager
+def schedule_after_step(optimizer, scheduler):
+    """Within the ``with``, step ``scheduler`` after every ``optimizer.step()`` that runs (a step post-hook).
 
-    GradScaler skips a step whose gradients overflowed, and then lowers its scale; the schedule must not advance
-    then. The scale is read once per step, after the update (a sync at the end of the step, not in its middle).
+    fp16's GradScaler skips ``optimizer.step()`` when a gradient overflowed, so the hook does not fire and the
+    schedule advances only on the steps taken, without reading the scale back (``scaler.get_scale()`` is a CPU-GPU
+    sync). An optimizer built with ``fused=True`` runs its step and skips inside it: there the schedule advances.
     Introduced in notebooks/01-single-gpu.ipynb.
     """
     if scheduler is None:
-        return lambda: None
-    if scaler is None:
-        return scheduler.step
-    last = [scaler.get_scale()]
-
-    def after_step():
-        now = scaler.get_scale()
-        if now >= last[0]:  # lowered iff the step was skipped
-            scheduler.step()
-        last[0] = now
-    return after_step
+        yield
+        return
+    handle = optimizer.register_step_post_hook(lambda *_: scheduler.step())
+    try:
+        yield
+    finally:
+        handle.remove()  # the optimizer outlives the pass; the next pass hangs its own
 
 
 def _set_epoch(loader, epoch: int) -> None:
@@ -219,27 +217,26 @@ def train_one_epoch(model, loader, optimizer, device, *, amp=None, scaler=None, 
     device = torch.device(device)
     model.train()
     tally = Tally(device)  # loss and accuracy sums, kept on the device
-    after_step = schedule_after_step(scheduler, scaler)
-    for step, (x, y) in enumerate(loader):
-        if step == max_steps:
-            break
-        stop_if_asked(stop, tally, step)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with autocast(device, amp):  # does nothing unless amp is "bf16" or "fp16"
-            out = model(x)
-            loss = loss_fn(out, y)
-        optimizer.zero_grad(set_to_none=True)
-        if scaler is None:
-            loss.backward()
-            optimizer.step()
-        else:  # fp16: scale the loss up so small gradients survive, unscale before the step
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        after_step()  # the learning-rate schedule, if any
-        tally.add(loss.detach() * y.shape[0], out, y)  # no .item(): nothing waits for the device here
-        if on_step is not None:
-            on_step(step, loss)
+    with schedule_after_step(optimizer, scheduler):  # the schedule steps after every optimizer step taken
+        for step, (x, y) in enumerate(loader):
+            if step == max_steps:
+                break
+            stop_if_asked(stop, tally, step)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with autocast(device, amp):  # does nothing unless amp is "bf16" or "fp16"
+                out = model(x)
+                loss = loss_fn(out, y)
+            optimizer.zero_grad(set_to_none=True)
+            if scaler is None:
+                loss.backward()
+                optimizer.step()
+            else:  # fp16: scale the loss up so small gradients survive, unscale before the step
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)  # skips optimizer.step() when a gradient overflowed
+                scaler.update()
+            tally.add(loss.detach() * y.shape[0], out, y)  # no .item(): nothing waits for the device here
+            if on_step is not None:
+                on_step(step, loss)
     return tally.stats()
 # ---- end of export from notebooks/01-single-gpu.ipynb ----
 

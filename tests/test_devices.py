@@ -45,7 +45,9 @@ def test_plan_rejects_impossible_world_sizes(bad):
 def test_plan_refuses_nccl_without_a_gpu_per_rank():
     with pytest.raises(ValueError, match="one GPU per rank"):
         devices.plan(2, n_gpus=1, backend="nccl")
-    assert devices.plan(2, n_gpus=2, backend="gloo").backend == "gloo"
+    forced = devices.plan(2, n_gpus=2, backend="gloo")
+    assert forced.backend == "gloo" and forced.kind == "multi-gpu"
+    assert "joined over gloo" in forced.sentence and "(nccl)" not in forced.sentence  # says what runs
     with pytest.raises(ValueError, match="backend"):
         devices.plan(2, n_gpus=2, backend="mpi")
 

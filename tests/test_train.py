@@ -184,11 +184,13 @@ def test_the_schedule_hook_steps_after_each_step_and_the_stop_hook_raises():
 
     from helpers import Stopped
 
-    assert train.schedule_after_step(None, None)() is None
     opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    with train.schedule_after_step(opt, None):
+        opt.step()  # no scheduler: nothing hangs on the optimizer
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    opt.step()
-    train.schedule_after_step(sched, None)()
+    with train.schedule_after_step(opt, sched):
+        opt.step()
+    opt.step()  # after the with: the hook is gone
     assert sched.last_epoch == 1
     tally = train.Tally("cpu")
     stop = threading.Event()
@@ -197,3 +199,19 @@ def test_the_schedule_hook_steps_after_each_step_and_the_stop_hook_raises():
     with pytest.raises(Stopped, match="after 3 steps") as info:
         train.stop_if_asked(stop, tally, 3)
     assert info.value.partial is None, "nothing seen yet: no partial pass"
+
+
+def test_the_schedule_skips_the_steps_fp16_skips_and_never_reads_the_scale(monkeypatch):
+    """A GradScaler that finds an overflow skips optimizer.step(): the post-hook schedule must not advance then."""
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    scaler = torch.amp.GradScaler("cpu")
+    monkeypatch.setattr(scaler, "get_scale", lambda: pytest.fail("get_scale() is a CPU-GPU sync"))
+    with train.schedule_after_step(opt, sched):
+        for x in (torch.ones(1, 2), torch.full((1, 2), float("inf")), torch.ones(1, 2)):
+            opt.zero_grad()
+            scaler.scale(model(x).sum()).backward()
+            scaler.step(opt)  # the inf step: skipped
+            scaler.update()
+    assert sched.last_epoch == 2, "the schedule advanced on a skipped step"
