@@ -2,9 +2,11 @@
 
 MFU = achieved FLOP/s ÷ peak FLOP/s, the achieved rate counted from the model (``helpers.gpt.train_flops_per_token``
 × tokens per second), not from what the kernels happen to run (PaLM, appendix B: https://arxiv.org/abs/2204.02311).
-The peak of a GPU is its datasheet's dense (no 2:4 sparsity) BF16 tensor-core figure (FP16 where the GPU has no
-BF16), as the Playbook and torchtitan quote it; a CPU has no datasheet figure the course can rely on, so its peak is
-*measured*: the median rate of a large float32 matmul on all its cores, labelled as such.
+The peak of a GPU is its datasheet's dense (no 2:4 sparsity) figure *for the precision its matmuls run in*: the
+BF16 tensor-core figure for a bf16 run (as the Playbook and torchtitan quote it), and for a float32 run the plain
+FP32 figure, because torch leaves TF32 off for float32 matmuls unless asked (then the TF32 tensor-core figure). A
+CPU has no datasheet figure the course can rely on, so its peak is *measured*: the median rate of a large float32
+matmul on all its cores, labelled as such.
 
 Introduced in notebooks/20-gpt-capstone.ipynb (and scripts/train_gpt.py).
 """
@@ -12,49 +14,97 @@ Introduced in notebooks/20-gpt-capstone.ipynb (and scripts/train_gpt.py).
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 
-# Dense BF16 tensor-core TFLOP/s (FP16 for the T4, which has no BF16), from NVIDIA's datasheets; where a datasheet
-# prints the 2:4-sparse figure (with an asterisk), the dense one is half of it (the T4, a Turing GPU, has no
-# sparsity). Matched against the NVML name in order, so the more specific names come first ("L40S", "L40", "L4").
+from . import devices
+
+# Dense TFLOP/s from NVIDIA's datasheets, per precision: "bf16" (BF16 tensor cores; the T4, a Turing GPU, has none:
+# its mixed-precision figure is "fp16"), "tf32" (TF32 tensor cores: float32 matmuls with TF32 allowed) and "fp32"
+# (plain FP32, no tensor cores: float32 matmuls under torch's default). Where a datasheet prints a 2:4-sparse figure
+# (with an asterisk), the dense one is half of it; each source quotes the datasheet's own figures.
 DATASHEET_TFLOPS = [
-    # (substring of the NVML name, dense TFLOP/s, dtype, source)
-    ("H100 PCIe", 756.0, "bf16", "https://www.nvidia.com/en-us/data-center/h100/ (datasheet: H100 PCIe, 1,513 sparse)"),
-    ("H100 NVL", 835.0, "bf16", "https://www.nvidia.com/en-us/data-center/h100/ (datasheet: H100 NVL, 1,671 sparse)"),
-    ("H100", 989.0, "bf16", "https://www.nvidia.com/en-us/data-center/h100/ (datasheet: H100 SXM, 1,979 sparse)"),
-    ("H200 NVL", 835.0, "bf16", "https://www.nvidia.com/en-us/data-center/h200/ (datasheet: H200 NVL, 1,671 sparse)"),
-    ("H200", 989.0, "bf16", "https://www.nvidia.com/en-us/data-center/h200/ (datasheet: H200 SXM, 1,979 sparse)"),
-    ("A100", 312.0, "bf16", "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
-                            "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf (624 sparse)"),
-    ("L40S", 362.0, "bf16", "https://www.nvidia.com/en-us/data-center/l40s/ (datasheet: 733 sparse)"),
-    ("L40", 181.0, "bf16", "https://www.nvidia.com/en-us/data-center/l40/ (datasheet: 181.05 dense, 362.1 sparse)"),
-    ("L4", 121.0, "bf16", "https://www.nvidia.com/en-us/data-center/l4/ (datasheet: 242 sparse)"),
-    ("A10", 125.0, "bf16", "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a10/pdf/"
-                           "datasheet-new/nvidia-a10-datasheet.pdf (250 sparse)"),
-    ("RTX 4090", 165.2, "bf16", "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/"
-                                "nvidia-ada-gpu-architecture.pdf (BF16 with FP32 accumulate: 165.2 dense, 330.4 sparse)"),
-    ("T4", 65.0, "fp16", "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/"
-                         "t4-tensor-core-datasheet-951643.pdf (mixed precision FP16/FP32)"),
+    # (model, as whole words of the NVML name; {precision: dense TFLOP/s}; source)
+    ("H100 PCIe", {"bf16": 756.0, "tf32": 378.0, "fp32": 51.0},
+     "https://www.nvidia.com/en-us/data-center/h100/ (datasheet, H100 PCIe: FP32 51, TF32 756 sparse, "
+     "BF16 1,513 sparse)"),
+    ("H100 NVL", {"bf16": 835.0, "tf32": 417.5, "fp32": 60.0},
+     "https://www.nvidia.com/en-us/data-center/h100/ (datasheet, H100 NVL: FP32 60, TF32 835 sparse, "
+     "BF16 1,671 sparse)"),
+    ("H100", {"bf16": 989.0, "tf32": 494.5, "fp32": 67.0},
+     "https://www.nvidia.com/en-us/data-center/h100/ (datasheet, H100 SXM: FP32 67, TF32 989 sparse, "
+     "BF16 1,979 sparse)"),
+    ("H200 NVL", {"bf16": 835.0, "tf32": 417.5, "fp32": 60.0},
+     "https://www.nvidia.com/en-us/data-center/h200/ (datasheet, H200 NVL: FP32 60, TF32 835 sparse, "
+     "BF16 1,671 sparse)"),
+    ("H200", {"bf16": 989.0, "tf32": 494.5, "fp32": 67.0},
+     "https://www.nvidia.com/en-us/data-center/h200/ (datasheet, H200 SXM: FP32 67, TF32 989 sparse, "
+     "BF16 1,979 sparse)"),
+    ("A100", {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5},
+     "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+     "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf (FP32 19.5; TF32 156 dense, 312 sparse; BF16 312 dense, "
+     "624 sparse)"),
+    ("L40S", {"bf16": 362.05, "tf32": 183.0, "fp32": 91.6},
+     "https://www.nvidia.com/en-us/data-center/l40s/ (datasheet: FP32 91.6, TF32 183 dense, 366 sparse, "
+     "BF16 362.05 dense, 733 sparse)"),
+    ("L40", {"bf16": 181.05, "tf32": 90.5, "fp32": 90.5},
+     "https://www.nvidia.com/en-us/data-center/l40/ (datasheet: FP32 90.5, TF32 90.5 dense, 181 sparse, "
+     "BF16 181.05 dense, 362.1 sparse)"),
+    ("L4", {"bf16": 121.0, "tf32": 60.0, "fp32": 30.3},
+     "https://www.nvidia.com/en-us/data-center/l4/ (datasheet: FP32 30.3, TF32 120 sparse, BF16 242 sparse)"),
+    ("A10", {"bf16": 125.0, "tf32": 62.5, "fp32": 31.2},
+     "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a10/pdf/"
+     "datasheet-new/nvidia-a10-datasheet.pdf (FP32 31.2, TF32 62.5 dense, 125 sparse, BF16 125 dense, 250 sparse)"),
+    ("RTX 4090", {"bf16": 165.2, "tf32": 82.6, "fp32": 82.6},
+     "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf (FP32 82.6; TF32 "
+     "82.6 dense, 165.2 sparse; BF16 with FP32 accumulate 165.2 dense, 330.4 sparse)"),
+    ("T4", {"fp16": 65.0, "fp32": 8.1},
+     "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/"
+     "t4-tensor-core-datasheet-951643.pdf (single precision FP32 8.1, mixed precision FP16/FP32 65; no BF16, no TF32)"),
 ]
-# "A10G" (AWS g5) is matched by "A10", but NVIDIA publishes no A10G datasheet: it is refused below, not guessed.
-NO_DATASHEET = ("A10G",)
+# "A10G" (AWS g5) is not an "A10" (another word), and NVIDIA publishes no A10G datasheet: refused, not guessed. So
+# are "RTX A1000" (not an A100) and "T400" (not a T4).
 
 
-def datasheet_peak(gpu_name: str) -> tuple[float, str, str] | None:
-    """(peak FLOP/s, dtype, source) of a GPU named as NVML names it; None when the table has no datasheet figure.
+def _words(name: str) -> list[str]:
+    return [w for w in re.split(r"[\s\-_/]+", name.upper()) if w]
 
+
+def datasheet_peak(gpu_name: str, precision: str = "bf16") -> tuple[float, str, str] | None:
+    """(peak FLOP/s, precision, source) of a GPU named as NVML names it; None where no datasheet figure is known.
+
+    A model matches when its words are whole words of the name, in order: "NVIDIA A100-SXM4-40GB" is an A100,
+    "NVIDIA RTX A1000" is not, nor is "NVIDIA T400" a T4. ``precision`` is the datasheet row the run's matmuls use
+    (``matmul_precision``): "bf16", "fp16", "tf32" or "fp32".
     Introduced in notebooks/20-gpt-capstone.ipynb.
     """
-    if any(n in gpu_name for n in NO_DATASHEET):
-        return None
-    for key, tflops, dtype, source in DATASHEET_TFLOPS:
-        if key in gpu_name:
-            return tflops * 1e12, dtype, source
+    words = _words(gpu_name)
+    for model, tflops, source in DATASHEET_TFLOPS:
+        key = _words(model)
+        if any(words[i:i + len(key)] == key for i in range(len(words) - len(key) + 1)):
+            return (tflops[precision] * 1e12, precision, source) if precision in tflops else None
     return None
+
+
+def matmul_precision(dtype: torch.dtype) -> str:
+    """The datasheet row a GPU's matmuls run at when training in ``dtype``: "bf16", "fp16", "tf32", "fp32" or "fp64".
+
+    float32 is "fp32" unless TF32 is allowed for CUDA matmuls in this process: torch's default is off ("none",
+    which falls back to IEEE float32), switched on by ``torch.backends.cuda.matmul.fp32_precision = "tf32"``, the
+    legacy ``allow_tf32 = True`` or ``torch.set_float32_matmul_precision("high")``; the ``fp32_precision`` getter
+    reads all three (torch/backends/cuda/__init__.py).
+    Introduced in notebooks/20-gpt-capstone.ipynb.
+    """
+    if dtype == torch.float32:
+        return "tf32" if torch.backends.cuda.matmul.fp32_precision == "tf32" else "fp32"
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+    if dtype not in names:
+        raise ValueError(f"no datasheet precision for {dtype}")
+    return names[dtype]
 
 
 @dataclass(frozen=True)
@@ -121,7 +171,7 @@ SIZES = {
 def choose_size(device_type: str, memory_gib: float | None = None, smoke: bool = False) -> str:
     """The name of the size in SIZES for a device: "smoke" when asked, "cpu", or a GPU's by its memory.
 
-    Introduced in notebooks/20-gpt-capstone.ipynb.
+    Machinery behind mfu.plan_capstone and scripts/train_gpt.py; no notebook calls it directly.
     """
     if smoke:
         return "smoke"
@@ -130,3 +180,43 @@ def choose_size(device_type: str, memory_gib: float | None = None, smoke: bool =
     if device_type != "cuda":
         raise ValueError(f"no size for device type {device_type!r}")
     return "gpu-40g" if (memory_gib or 0) >= 39 else "gpu-16g"
+
+
+@dataclass(frozen=True)
+class CapstoneRun:
+    """What notebook 20 trains on this machine: workers, mesh, size, dtype, and the peak its MFU divides by."""
+
+    world: int                # torchrun's workers: one per usable GPU (a power of two, at most 8), or 4 on the CPU
+    tp: int                   # tensor-parallel degree; dp = world / tp
+    size: str                 # a key of SIZES
+    device: str               # "cuda" or "cpu"
+    dtype: str                # what the script's --dtype auto picks: "bfloat16" on GPUs with BF16, else "float32"
+    gpu: str | None           # the GPUs' NVML name
+    peak: float | None        # one GPU's datasheet peak FLOP/s for that dtype; None: measure it (CPU) or unknown
+    peak_source: str          # where the peak comes from, in words
+
+
+def plan_capstone(smoke: bool = False, max_gpus: int = 8) -> CapstoneRun:
+    """Size notebook 20's run from the GPUs that ``devices.plan`` would use, not NVML's raw list.
+
+    GPUs that a driver or kernel check rules out (``devices.gpu_count()`` is 0 then) size nothing: the run is the
+    CPU's. Otherwise every usable GPU trains, up to ``max_gpus``, rounded down to a power of two so that the global
+    batch and the heads split evenly; the peak is the datasheet's for the precision the script's matmuls will run
+    in (``matmul_precision`` of its ``--dtype auto``: bf16 where the GPU has BF16, else float32).
+    Introduced in notebooks/20-gpt-capstone.ipynb.
+    """
+    usable = min(devices.gpu_count(), max_gpus)
+    if usable == 0:
+        return CapstoneRun(world=4, tp=2, size=choose_size("cpu", smoke=smoke), device="cpu", dtype="float32",
+                           gpu=None, peak=None, peak_source="measured matmul rate (no datasheet for a CPU)")
+    world = 1 << (usable.bit_length() - 1)  # 1, 2, 4 or 8
+    gpus = devices.describe().gpus[:world]
+    memory = min((g.memory_gib or 0) for g in gpus) if gpus else None
+    dtype = torch.bfloat16 if devices.has_bf16(torch.device("cuda", 0)) else torch.float32
+    precision = matmul_precision(dtype)
+    name = gpus[0].name if gpus else "unknown"
+    found = datasheet_peak(name, precision)
+    return CapstoneRun(world=world, tp=2 if world >= 2 else 1, size=choose_size("cuda", memory, smoke=smoke),
+                       device="cuda", dtype=str(dtype).replace("torch.", ""), gpu=name,
+                       peak=found[0] if found else None,
+                       peak_source=f"datasheet, dense {precision}" if found else f"no datasheet {precision} figure")

@@ -238,7 +238,7 @@ def train(args) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=size["lr"], weight_decay=0.1, betas=(0.9, 0.95))
     # the whole model's FLOPs, PaLM's count (6N + 12LHQT): not the QK^T a fused kernel's backward recomputes
     flops_per_token = train_flops_per_token(cfg, cfg.seq_len, matmul_params(GPT(cfg)), fused_attention=False)
-    peak, peak_label = peak_of(args, device, world)
+    peak, peak_label = peak_of(args, device, world, dtype)
     emit(rank, event="start", world=world, dp=mesh["dp"].size(), tp=args.tp, device=str(device),
          backend=dist.get_backend(), dtype=str(dtype).replace("torch.", ""), size=size, compile=args.compile,
          ac=not args.no_ac, flops_per_token=flops_per_token, peak_flops=peak, peak=peak_label, corpus=where)
@@ -267,15 +267,18 @@ def train(args) -> None:
     emit(rank, event="done", step=step, seconds=time.perf_counter() - t_start)
 
 
-def peak_of(args, device, world: int = 1) -> tuple[float | None, str]:
-    # the global batch's tokens/s are measured against every GPU's peak; CPU workers share one machine's rate
+def peak_of(args, device, world: int, dtype: torch.dtype) -> tuple[float | None, str]:
+    # the global batch's tokens/s are measured against every GPU's peak; CPU workers share one machine's rate. A GPU's
+    # peak is its datasheet's for the precision the matmuls run in: bf16, or for float32 plain FP32 (torch leaves
+    # TF32 off unless asked; then TF32), never the bf16 figure of a float32 run
     gpus = world if device.type == "cuda" else 1
     if args.peak_flops:
         return args.peak_flops * gpus, f"given (--peak-flops) x {gpus}"
     if device.type == "cuda":
-        found = mfu.datasheet_peak(torch.cuda.get_device_name(device))
-        return (found[0] * gpus, f"datasheet dense {found[1]} x {gpus}") if found else (
-            None, "no datasheet figure for this GPU")
+        precision = mfu.matmul_precision(dtype)
+        found = mfu.datasheet_peak(torch.cuda.get_device_name(device), precision)
+        return (found[0] * gpus, f"datasheet dense {precision} x {gpus}") if found else (
+            None, f"no datasheet {precision} figure for this GPU")
     return None, "not measured (pass --peak-flops)"
 
 

@@ -116,3 +116,64 @@ def test_the_notebook_runs_top_to_bottom_without_a_compiler(tmp_path):
     text = "".join("".join(o.get("text", "")) for o in outputs)  # a stream's text: a string or a list of lines
     assert "apt install g++" in text and "aot_eager" in text, text[:2000]
     assert "max |compiled − eager| (aot_eager)" in text, text[-2000:]
+
+
+# ---- on a GPU: Triton, a C compiler and Python.h (triton/runtime/build.py), each named when missing ----
+
+def _gpu_ready(monkeypatch, tmp_path, triton=True, cc="/usr/bin/gcc", python_h=True):
+    include = tmp_path / "include"
+    include.mkdir(exist_ok=True)
+    if python_h:
+        (include / "Python.h").write_text("/* headers */")
+    monkeypatch.setattr(compiler, "_has_triton", lambda: triton)
+    monkeypatch.setattr(compiler, "_find_cc", lambda: cc)
+    monkeypatch.setattr(compiler, "_python_include", lambda: include)
+
+
+def test_a_gpu_with_triton_a_c_compiler_and_python_h_compiles_with_inductor(monkeypatch, tmp_path):
+    _gpu_ready(monkeypatch, tmp_path)
+    backend, why = compiler.pick_backend("cuda")
+    assert backend == "inductor" and "/usr/bin/gcc" in why
+
+
+@pytest.mark.parametrize("missing, fix", [
+    (dict(triton=False), "pip install triton"),
+    (dict(cc=None), "sudo apt install gcc"),
+    (dict(python_h=False), "-dev`"),  # python3.X-dev, or python3-dev for the system's Python
+])
+def test_a_gpu_missing_a_piece_falls_back_and_names_the_package(monkeypatch, tmp_path, missing, fix):
+    _gpu_ready(monkeypatch, tmp_path, **missing)
+    backend, why = compiler.pick_backend("cuda")
+    assert backend == "aot_eager" and fix in why and "aot_eager" in why, why
+    if "python_h" in missing:
+        assert "python3-dev" in why and str(tmp_path / "include") in why
+
+
+def test_the_gpu_checks_look_where_triton_looks(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", "/opt/cc")  # $CC is taken as given
+    assert compiler._find_cc() == "/opt/cc"
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no gcc, no clang
+    assert compiler._find_cc() is None
+    import sysconfig
+
+    assert compiler._python_include() in {Path(sysconfig.get_paths(scheme=s)["include"])
+                                          for s in sysconfig.get_scheme_names()}
+    with pytest.raises(ValueError, match="mps"):
+        compiler.pick_backend("mps")
+
+
+def test_fsdp2_hooks_are_kept_out_of_graphs_by_version():
+    """Notebook 19 says: torch 2.11 skips FSDP2's hooks while torch._dynamo.config.skip_fsdp_hooks is on (the
+    default); torch 2.15 has no such option and wraps every hook in torch._dynamo.disable (issue 43, item 18)."""
+    import inspect
+
+    import torch
+    import torch._dynamo.config
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
+
+    if torch.__version__ >= (2, 15):
+        assert not hasattr(torch._dynamo.config, "skip_fsdp_hooks")
+        assert "torch._dynamo.disable" in inspect.getsource(_fsdp_common._dynamo_disable)
+    else:
+        assert getattr(torch._dynamo.config, "skip_fsdp_hooks", True) is True  # on by default (2.11)

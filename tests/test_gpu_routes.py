@@ -212,3 +212,220 @@ def test_notebook_12_child_functions_start_no_cuda_on_gpus_this_torch_cannot_run
     proc = _run_old_driver(code)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() in ("None", "[]"), proc.stdout
+
+
+# ---- notebook 19: a compile in the notebook's own process starts CUDA on a GPU machine (found on an H200) ----
+
+NB19 = ROOT / "notebooks" / "19-torch-compile.ipynb"
+# run first in a child: CUDA looks available to THIS process (as on a GPU machine), and whatever would initialise
+# CUDA here (every path goes through torch._C._cuda_init: torch.cuda._lazy_init) is recorded with its caller and
+# refused. Processes forked from it see the real machine (no GPU), so the notebook's launches run as in CI.
+CUDA_HERE = (
+    "import os, sys, traceback, torch, torch.cuda as c\n"
+    "PARENT, CUDA_INITS, available = os.getpid(), [], c.is_available\n"
+    "c.is_available = lambda: os.getpid() == PARENT or available()\n"
+    "def _cuda_init():\n"
+    "    if os.getpid() == PARENT:\n"
+    "        CUDA_INITS.append([f'{os.path.basename(f.filename)}:{f.name}' for f in traceback.extract_stack()])\n"
+    "    raise RuntimeError('CUDA initialised in the notebook process')\n"
+    "torch._C._cuda_init = _cuda_init\n"
+)
+
+
+def _cuda_here(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", CUDA_HERE + code], cwd=ROOT / "notebooks", capture_output=True,
+                          text=True, timeout=600, env={**os.environ, **env})
+
+
+def test_a_compile_on_cpu_tensors_initialises_cuda_where_cuda_is_available():
+    # torch.cuda.get_rng_state starts CUDA ("This function eagerly initializes CUDA"), and Dynamo calls it
+    # before tracing any frame whenever torch.cuda.is_available() (convert_frame.py, preserve_global_state)
+    import inspect
+
+    assert "_lazy_init()" in inspect.getsource(torch.cuda.random.get_rng_state)
+    code = ("m = torch.nn.Linear(4, 4)\n"
+            "try:\n"
+            "    with torch.no_grad():\n"
+            "        torch.compile(m, backend=lambda gm, ex: gm.forward)(torch.randn(2, 4))\n"
+            "except Exception:\n"
+            "    pass\n"
+            "print(CUDA_INITS[0] if CUDA_INITS else 'none')\n")
+    out = _cuda_here(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    stack = out.stdout.strip().splitlines()[-1]
+    assert "random.py:get_rng_state" in stack and "convert_frame.py:_fn" in stack, stack
+
+
+def test_notebook_19_compiles_nothing_in_its_own_process():
+    """The cells that compile with the recording backend (1, the forward, graph breaks, solutions 2 and 3) run in
+    the notebook's process with CUDA "available": none may start CUDA there, or every later launch is refused.
+    Before the fix, cell 3 compiled in the notebook's process (CUDA_INITS non-empty)."""
+    cells = [c for c in json.loads(NB19.read_text())["cells"] if c["cell_type"] == "code"]
+    chosen = [cells[0]] + [c for c in cells[1:] if "recording" in "".join(c["source"])
+                           and "DDP(" not in "".join(c["source"]) and "fsdp_rank" not in "".join(c["source"])]
+    assert len(chosen) == 5, len(chosen)  # setup, forward, graph breaks, solutions 2 and 3
+    code = ("import json\n"
+            f"cells = json.loads({json.dumps(json.dumps(['' .join(c['source']) for c in chosen]))})\n"
+            "scope = {}\n"
+            "for i, cell in enumerate(cells):\n"
+            "    try:\n"
+            "        exec(compile(cell, f'cell {i}', 'exec'), scope)\n"
+            "    except Exception as e:\n"
+            "        print('FAILED', i, type(e).__name__, str(e)[:300])\n"
+            "        break\n"
+            "print('CUDA_INITS', len(CUDA_INITS), CUDA_INITS[0][-8:] if CUDA_INITS else '')\n")
+    out = _cuda_here(code, SMOKE_TEST="1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "FAILED" not in out.stdout and "CUDA_INITS 0 " in out.stdout, out.stdout[-3000:]
+
+
+# ---- per-launch devices (issue 44, items 1, 2, 8): four machines, mocked; every launch of 15, 16, 17, 21, 22 ----
+
+import re  # noqa: E402
+
+from helpers.launch import launch_plan  # noqa: E402
+
+CU132_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120", "compute_120")  # the CUDA 13.2 wheel's
+# (GPUs, compute capability, the driver's newest CUDA): torch built for CUDA 13.2
+MACHINES = {
+    "1xH100, CUDA 13 driver": (1, (9, 0), "13.0"),
+    "2xT4": (2, (7, 5), "13.0"),
+    "8xH100": (8, (9, 0), "13.0"),
+    "1xT4, 12.x driver": (1, (7, 5), "12.4"),  # the cu132 wheel on an older driver: GPUs planned off
+}
+USABLE = {"1xH100, CUDA 13 driver": 1, "2xT4": 2, "8xH100": 8, "1xT4, 12.x driver": 0}
+# every launch( call of each notebook, in order: (what it runs, its world sizes, how it is planned).
+# "fit": the notebook's RUN/QUIET (plan=devices.plan_launch); "cpu": CPU ranks on every machine.
+LAUNCHES = {
+    "15-fsdp": [("collectives", (2,), "fit"), ("FSDP", (2,), "fit"), ("one process", (1,), "fit"),
+                ("defaults", (2,), "fit"), ("no reshard", (2,), "fit"), ("16-bit", (2,), "fit"),
+                ("HSDP (2, 2)", (4,), "fit"), ("exercise 2: one unit", (2,), "fit"),
+                ("exercise 3: rings", (2, 3, 4), "fit")],
+    "16-distributed-checkpoints": [("state dicts", (2,), "fit"), ("save", (2,), "fit"),
+                                   ("resume at 2, 1, 3", (2, 1, 3), "fit"), ("async save", (2,), "fit"),
+                                   ("exercise 4: timing", (2,), "fit")],
+    "17-tensor-parallel": [("reference", (1,), "fit"), ("by hand", (2,), "fit"), ("DTensor", (2,), "fit"),
+                           ("reference float32", (1,), "fit"), ("DTensor float32", (2,), "fit"),
+                           ("2-D mesh (2, 2)", (4,), "fit"), ("exercise 1: 4 tp", (4,), "fit"),
+                           ("exercise 2: plain", (2,), "fit")],
+    "21-context-parallel": [("check", (4,), "fit"), ("check float32", (4,), "fit"), ("timed", (4,), "fit"),
+                            ("exchange", (4,), "fit"), ("torch context_parallel", (4,), "cpu"),
+                            ("exercise 1", (3, 8), "fit"), ("exercise 2: broken", (4,), "fit")],
+    "22-expert-parallel": [("EP", (2,), "fit"), ("EP float32", (2,), "fit"), ("2-D mesh (2, 2)", (4,), "fit"),
+                           ("exercise 3: EP over 4", (4,), "fit")],
+}
+
+
+def _call_text(text, start):
+    """The arguments of a call whose "(" ends at ``start``, up to its closing parenthesis."""
+    depth = 1
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start:i]
+    raise AssertionError(text[start:])
+
+
+def _code_cells(name):
+    cells = json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())["cells"]
+    return ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
+
+
+@pytest.fixture
+def machine(monkeypatch, request):
+    """Mock torch's and NVML's answers for one of MACHINES; every CUDA runtime call fails loudly."""
+    count, capability, driver = MACHINES[request.param]
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: count)
+    monkeypatch.setattr(torch.version, "cuda", "13.2")
+    monkeypatch.setattr(devices, "_nvml_cuda_version", lambda: driver)
+    monkeypatch.setattr(devices, "_capabilities", lambda n: [capability] * n)
+    monkeypatch.setattr(devices, "_built_archs", lambda: CU132_ARCHS)
+    for name in ("device_count", "is_available", "set_device", "_lazy_init"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name, **k: pytest.fail(f"torch.cuda.{_n} called"))
+    return request.param
+
+
+@pytest.mark.parametrize("notebook", LAUNCHES)
+def test_every_launch_of_the_notebook_is_planned_per_launch(notebook):
+    cells = _code_cells(notebook)
+    calls = [_call_text(cell, m.end()) for cell in cells for m in re.finditer(r"(?<![\w.])launch\(", cell)
+             if not cell[cell.rfind("\n", 0, m.start()) + 1:m.start()].lstrip().startswith("#")]
+    assert len(calls) == len(LAUNCHES[notebook]), calls  # the table lists every launch of the notebook
+    options = re.search(r"^(RUN|QUIET) = dict\((.*)\)", cells[0], re.M)
+    assert options and "plan=devices.plan_launch" in options.group(2), "launch options must plan per launch"
+    for line, (_, _, how) in zip(calls, LAUNCHES[notebook]):
+        if how == "fit":
+            assert f"**{options.group(1)}" in line, line
+        else:
+            assert "plan=devices.plan(W, n_gpus=0)" in line, line
+    for cell in cells:
+        assert 'backend="gloo"' not in cell.replace('new_group(backend="gloo")', ""), "a launch forced onto gloo"
+        assert not re.search(r"init_device_mesh\(\"cpu\"", cell) or "torch_cp_rank" in cell, "a mesh fixed on cpu"
+        assert "ON_CPU" not in cell
+
+
+@pytest.mark.parametrize("machine", MACHINES, indirect=True)
+@pytest.mark.parametrize("notebook", LAUNCHES)
+def test_each_rank_of_each_launch_gets_its_device_and_backend(machine, notebook):
+    n = USABLE[machine]
+    assert devices.gpu_count() == n
+    for what, worlds, how in LAUNCHES[notebook]:
+        for w in worlds:
+            p = launch_plan(w, plan=devices.plan_launch if how == "fit" else devices.plan(w, n_gpus=0))
+            on_gpus = how == "fit" and w <= n
+            expected = [f"cuda:{r}" for r in range(w)] if on_gpus else ["cpu"] * w
+            assert [str(d) for d in p.devices] == expected, (machine, notebook, what, w)
+            assert p.backend == ("nccl" if on_gpus else "gloo"), (machine, notebook, what, w)
+            if how == "fit" and not on_gpus and n:
+                assert f"{w} ranks need a GPU each and {n}" in p.sentence, p.sentence
+
+
+@pytest.mark.parametrize("machine", ["2xT4"], indirect=True)
+def test_on_two_t4s_the_issue_s_launches_land_where_it_says(machine):
+    def where(w):
+        p = launch_plan(w, plan=devices.plan_launch)
+        return {d.type for d in p.devices}, p.backend
+    assert where(2) == ({"cuda"}, "nccl")  # 15's FSDP, 16's save, 17's TP, 22's EP: both GPUs
+    assert where(1) == ({"cuda"}, "nccl")  # the one-process references
+    assert where(4) == ({"cpu"}, "gloo") and where(3) == ({"cpu"}, "gloo")  # the (2, 2) meshes, the 3-rank reshard
+
+
+@pytest.mark.parametrize("machine", ["1xT4, 12.x driver"], indirect=True)
+def test_gpus_this_torch_cannot_run_plan_every_launch_on_the_cpu_and_say_why(machine):
+    p = launch_plan(2, plan=devices.plan_launch)
+    assert p.backend == "gloo" and {d.type for d in p.devices} == {"cpu"} and "driver" in p.sentence
+
+
+def test_a_plan_and_a_backend_together_are_refused():
+    with pytest.raises(ValueError, match="not both"):
+        launch_plan(2, backend="gloo", plan=devices.plan_launch)
+    with pytest.raises(ValueError, match="places 2 ranks"):
+        launch_plan(3, plan=devices.plan(2, n_gpus=0))
+
+
+CUDA_CALLS: list = []  # what a rank called in torch.cuda; forked ranks fill their own copy
+
+
+def _cuda_calls_rank(rank, world_size):
+    return list(CUDA_CALLS)
+
+
+def test_cpu_ranks_on_a_gpu_machine_make_no_cuda_call(monkeypatch):
+    """A launch that needs more ranks than the 2 (mocked) GPUs runs on CPU ranks, which never call CUDA."""
+    import helpers.launch as launch_module
+
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
+    monkeypatch.setattr(devices, "driver_check", lambda: None)
+    monkeypatch.setattr(devices, "kernel_check", lambda: None)
+    monkeypatch.setattr(launch_module, "cuda_canary", lambda device: None)  # no real GPU to start
+    for name in ("set_device", "_lazy_init", "init", "current_device", "synchronize"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name, **k: CUDA_CALLS.append(_n))
+    monkeypatch.setattr(torch._C, "_cuda_init", lambda: CUDA_CALLS.append("_cuda_init"), raising=False)
+    results = launch(_cuda_calls_rank, 3, quiet=True, progress=False, timeout=120, plan=devices.plan_launch)
+    assert results.plan.backend == "gloo" and {d.type for d in results.plan.devices} == {"cpu"}
+    assert list(results) == [[], [], []]  # zero CUDA calls on every rank
+    # the route the notebooks took before (backend="gloo" on GPUs that 3 ranks must share): set_device on each rank
+    before = launch(_cuda_calls_rank, 3, quiet=True, progress=False, timeout=120, backend="gloo")
+    assert all(calls == ["set_device"] for calls in before)

@@ -117,11 +117,17 @@ def test_sizes_are_chosen_from_the_device(monkeypatch):
     cfg, size = script.sizes(script.parse_args(["--size", "auto", "--d-model", "96"]), torch.device("cpu"))
     assert size["name"] == "cpu" and cfg.d_model == 96  # an override wins
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA H100 80GB HBM3")
-    peak, label = script.peak_of(args, torch.device("cuda", 0))
-    assert peak == 989e12 and "datasheet" in label
-    assert script.peak_of(args, torch.device("cuda", 0), 4)[0] == 4 * 989e12  # the global batch on 4 GPUs
+    gpu = torch.device("cuda", 0)
+    peak, label = script.peak_of(args, gpu, 1, torch.bfloat16)
+    assert peak == 989e12 and label == "datasheet dense bf16 x 1"
+    assert script.peak_of(args, gpu, 4, torch.bfloat16)[0] == 4 * 989e12  # the global batch on 4 GPUs
+    # float32 is divided by the peak of what runs: plain FP32 (torch's default), not the bf16 tensor cores' figure
+    assert script.peak_of(args, gpu, 1, torch.float32) == (67e12, "datasheet dense fp32 x 1")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "Tesla T4")
+    assert script.peak_of(args, gpu, 2, torch.float32) == (2 * 8.1e12, "datasheet dense fp32 x 2")
+    assert script.peak_of(args, gpu, 1, torch.bfloat16)[0] is None  # a T4 has no BF16 figure: no MFU, not fp16's
     given = script.parse_args(["--peak-flops", "5e10"])
-    assert script.peak_of(given, torch.device("cpu"), 4)[0] == 5e10  # CPU workers share one machine's rate
+    assert script.peak_of(given, torch.device("cpu"), 4, torch.float32)[0] == 5e10  # CPU workers share one rate
 
 
 def test_datasheet_peaks():
@@ -129,9 +135,9 @@ def test_datasheet_peaks():
     assert mfu.datasheet_peak("NVIDIA H100 PCIe")[0] == 756e12
     assert mfu.datasheet_peak("NVIDIA H200")[0] == 989e12 and mfu.datasheet_peak("NVIDIA H200 NVL")[0] == 835e12
     assert mfu.datasheet_peak("NVIDIA A100-SXM4-80GB")[0] == 312e12
-    assert mfu.datasheet_peak("NVIDIA L4")[0] == 121e12 and mfu.datasheet_peak("NVIDIA L40S")[0] == 362e12
-    assert mfu.datasheet_peak("NVIDIA L40")[0] == 181e12  # not the L4's 121: "L4" is a substring of "L40"
-    assert mfu.datasheet_peak("Tesla T4")[:2] == (65e12, "fp16")
+    assert mfu.datasheet_peak("NVIDIA L4")[0] == 121e12 and mfu.datasheet_peak("NVIDIA L40S")[0] == 362.05e12
+    assert mfu.datasheet_peak("NVIDIA L40")[0] == 181.05e12  # not the L4's 121: "L4" is a substring of "L40"
+    assert mfu.datasheet_peak("Tesla T4", "fp16")[:2] == (65e12, "fp16") and mfu.datasheet_peak("Tesla T4") is None
     assert mfu.datasheet_peak("NVIDIA A10")[0] == 125e12
     assert mfu.datasheet_peak("NVIDIA GeForce RTX 4090")[0] == pytest.approx(165.2e12)
     assert mfu.datasheet_peak("NVIDIA A10G") is None  # no NVIDIA datasheet: not guessed
