@@ -192,6 +192,8 @@ def child_main(fn, rank, world_size, args, plan, port, queue, stack_file, result
     code = 0
     try:
         device = _DEVICE = plan.devices[rank]  # rank_device() answers it, with or without init
+        # a rank planned onto the CPU (devices.plan_launch's CPU plan, a CPU machine) calls nothing in torch.cuda:
+        # no set_device, no context (tests/test_gpu_routes.py counts its CUDA calls with GPUs mocked)
         if init and device.type == "cuda":  # init=False: fn binds its own device, as a torchrun script does
             torch.cuda.set_device(device)
         if init:

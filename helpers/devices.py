@@ -523,3 +523,26 @@ def plan(world_size: int, n_gpus: int | None = None, backend: str | None = None)
         what = (f"{world_size} {each}, joined over gloo "
                 "(asked for; NCCL is the default here): the GPUs compute, the collectives are gloo's, not NCCL's")
     return Plan(devices=devices, backend=chosen, kind=kind, sentence=what)
+
+
+def plan_launch(world_size: int, n_gpus: int | None = None) -> Plan:
+    """One launch's plan: a GPU per rank over NCCL where ``world_size`` fits the usable GPUs, else all on the CPU (gloo).
+
+    Unlike ``plan``, ranks never share a GPU: a launch that needs more ranks than there are GPUs runs every rank on
+    the CPU, and its sentence says why. Each launch of a notebook is planned on its own, so on 2 GPUs a launch of 2
+    ranks uses both GPUs and a launch of 4 runs on the CPU. Pass it to ``launch(..., plan=devices.plan_launch)``.
+    ``n_gpus`` overrides the usable count (for tests and "what if" questions).
+    Introduced in notebooks/15-fsdp.ipynb.
+    """
+    n, problem = _usable() if n_gpus is None else (positive_int("n_gpus", n_gpus, minimum=0), None)
+    if isinstance(world_size, int) and not isinstance(world_size, bool) and 1 <= world_size <= n:
+        return plan(world_size, n_gpus=n)
+    cpu = plan(world_size, n_gpus=0)  # validates world_size
+    if problem:
+        why = f"GPUs not used: {problem}"
+    elif n:
+        why = (f"on the CPU, not the GPUs: {world_size} ranks need a GPU each and {n} "
+               f"{'is' if n == 1 else 'are'} usable here")
+    else:
+        return cpu
+    return Plan(devices=cpu.devices, backend=cpu.backend, kind=cpu.kind, sentence=f"{cpu.sentence}; {why}")

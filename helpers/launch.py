@@ -131,9 +131,29 @@ def _check_arguments(fn, world_size, timeout, max_world_size) -> None:
             f"mean it, pass max_world_size={world_size}.")
 
 
+def launch_plan(world_size: int, backend: str | None = None, plan=None) -> devices.Plan:
+    """The plan a launch runs on: ``plan`` where given, else ``devices.plan(world_size, backend=backend)``.
+
+    ``plan`` is a ``devices.Plan`` for ``world_size`` ranks, or a function of the world size that returns one
+    (``devices.plan_launch``: a GPU per rank over NCCL where the ranks fit the usable GPUs, else CPU ranks over
+    gloo). A plan names its backend, so ``backend`` and ``plan`` together are refused.
+    Machinery behind launch; no notebook calls it directly.
+    """
+    if plan is None:
+        return devices.plan(world_size, backend=backend)
+    if backend is not None:
+        raise ValueError(f"pass backend={backend!r} or plan=, not both: a plan names its own backend")
+    chosen = plan(world_size) if callable(plan) else plan
+    if not isinstance(chosen, devices.Plan):
+        raise TypeError(f"plan must be a devices.Plan or a function of the world size returning one, got {chosen!r}")
+    if chosen.world_size != world_size:
+        raise ValueError(f"the plan places {chosen.world_size} ranks, but world_size={world_size}")
+    return chosen
+
+
 def launch(fn, world_size: int, *args, timeout: float = 300.0, backend: str | None = None,
            init: bool = True, on_event=None, progress: bool = True, quiet: bool = False,
-           stop=None, max_world_size: int | None = None) -> LaunchResult:
+           stop=None, max_world_size: int | None = None, plan=None) -> LaunchResult:
     """Fork ``world_size`` ranks running ``fn(rank, world_size, *args)``; return their results.
 
     Each rank gets the env vars torchrun would set and, when ``init``, its
@@ -142,6 +162,10 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, backend: str | No
     ``init=False`` ``fn`` does both itself, as a torchrun script does:
     launch binds no device (``rank_device()`` still names the planned one),
     so a rank that uses other GPUs opens no context on the planned one.
+    ``plan`` places the ranks instead of ``devices.plan``: a ``devices.Plan``,
+    or a function of the world size such as ``devices.plan_launch`` (a GPU
+    per rank over NCCL where the ranks fit the GPUs, else CPU ranks over gloo,
+    which never touch CUDA); ``launch_plan`` says what a launch will use.
     Results come back as a list indexed by rank, tensors moved to the CPU.
 
     Each rank runs with ONE torch thread. This is not a tuning choice: a rank
@@ -164,7 +188,7 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, backend: str | No
     Introduced in notebooks/04-ddp.ipynb.
     """
     _check_arguments(fn, world_size, timeout, max_world_size)
-    plan = devices.plan(world_size, backend=backend)
+    plan = launch_plan(world_size, backend=backend, plan=plan)
     if torch.cuda.is_initialized():
         raise CudaInitialized(CUDA_FIX)
     if "fork" not in mp.get_all_start_methods():

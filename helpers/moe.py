@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
 from helpers import gpt
+from helpers._rank import rank_device
 
 
 # ---- exported from notebooks/22-expert-parallel.ipynb: edit it there, then run `make export` ----
@@ -104,7 +105,7 @@ def ep_forward(moe, x, group):
     dist.all_to_all_single(got, counts, group=group)  # rows for each of my experts, from each rank: (W·n,)
     send, recv = counts.view(W, n).sum(1).tolist(), got.view(W, n).sum(1).tolist()
     rows = AllToAll.apply(tokens[t], send, recv, group)  # arrive by sender, then by expert
-    local = torch.arange(n).repeat(W).repeat_interleave(got)  # each arrived row's expert on this rank
+    local = torch.arange(n, device=x.device).repeat(W).repeat_interleave(got)  # each arrived row's expert on this rank
     by_expert = torch.argsort(local, stable=True)
     chunks = rows[by_expert].split(torch.bincount(local, minlength=n).tolist())
     out = torch.cat([expert(c) for expert, c in zip(moe.experts, chunks)])[torch.argsort(by_expert)]
@@ -127,9 +128,10 @@ def ep_rank(rank, world_size, make_moe, tokens, ep_size, dtype=torch.float64, al
     Introduced in notebooks/22-expert-parallel.ipynb.
     """
     torch.manual_seed(seed)  # the same MoE and the same tokens on every rank
-    moe = make_moe().to(dtype)
-    x = torch.randn(world_size, tokens, moe.router.in_features, dtype=dtype)  # group g: rank g's tokens
-    mesh = init_device_mesh("cpu", (world_size // ep_size, ep_size), mesh_dim_names=("dp", "ep"))
+    device = rank_device()  # this launch's plan: a GPU of its own, or the CPU
+    moe = make_moe().to(device, dtype)
+    x = torch.randn(world_size, tokens, moe.router.in_features, dtype=dtype).to(device)  # group g: rank g's tokens
+    mesh = init_device_mesh(device.type, (world_size // ep_size, ep_size), mesh_dim_names=("dp", "ep"))
     n = moe.n_experts // ep_size
     first = mesh["ep"].get_local_rank() * n  # this rank's experts: first … first + n − 1
     mine = copy.deepcopy(moe)  # before the reference runs
