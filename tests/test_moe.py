@@ -81,3 +81,20 @@ def test_the_moe_replaces_the_gpt_s_mlp():
         block.mlp = MoE(cfg, 4, 2, 1.0)
     logits = model(torch.randint(0, 256, (2, 8)))
     assert logits.shape == (2, 8, 256) and all(b.mlp.aux_loss > 0 for b in model.blocks)
+
+
+def test_the_all_to_all_figure_is_what_route_draws():
+    """notebooks/figures/ep-all-to-all.svg is scripts/figure_ep_all_to_all.py's drawing of route()'s own output."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "figure_ep_all_to_all.py"
+    spec = importlib.util.spec_from_file_location("figure_ep_all_to_all", script)
+    figure = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figure)
+    assert figure.OUT.read_text() == figure.svg(), "run: python scripts/figure_ep_all_to_all.py"
+    for experts, keep in figure.routed():  # the figure shows drops, and every one of them is a capacity's
+        assert (~keep).sum() >= 1
+        capacity = -(-int(figure.CAPACITY_FACTOR * figure.TOKENS * figure.K) // figure.EXPERTS)
+        kept = experts[keep]
+        assert all((kept == e).sum() <= capacity for e in range(figure.EXPERTS))
