@@ -148,10 +148,11 @@ def guide_rank(current_gpu_index, num_gpus, dataset, port, results, steps=8, bat
     os.environ["MASTER_PORT"] = str(port)
     gpus = devices.gpu_count() >= num_gpus
     device = torch.device(f"cuda:{current_gpu_index}" if gpus else "cpu")
-    dist.init_process_group(backend="nccl" if gpus else "gloo", init_method="env://", world_size=num_gpus,
-                            rank=current_gpu_index)
     if gpus:
         torch.cuda.set_device(device)
+    # device_id binds NCCL to this GPU: without it torch 2.15 binds GPU (LOCAL_RANK, else the rank) % GPU count
+    dist.init_process_group(backend="nccl" if gpus else "gloo", init_method="env://", world_size=num_gpus,
+                            rank=current_gpu_index, device_id=device if gpus else None)
     if current_gpu_index == fail_rank:
         raise RuntimeError(f"rank {current_gpu_index} failed on purpose")
     if current_gpu_index == hang_rank:

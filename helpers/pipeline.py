@@ -166,33 +166,37 @@ def pp_rank(rank, world_size, x, y, *, micro_counts=(4,), schedule="gpipe", spli
 # Solution to exercise 4 (exported: tests reuse it)
 def hybrid_steps(rank, world_size, dataset, steps, batch_size, lr, *, split=4, seed=0, dtype=torch.float32):
     """DDP over two-stage models. Introduced in notebooks/10-pipelines.ipynb."""
-    # launch with init=False: the rank sets up its own group. Returns parameters (ConvNet's names), losses, samples.
+    # launch with init=False: the rank sets up its own groups. Returns parameters (ConvNet's names), losses, samples.
     plan = stages.plan_hybrid(world_size, 2)
     devices = plan.devices[rank]  # this rank's two stage devices
     if devices[0].type == "cuda":
         torch.cuda.set_device(devices[0])
-    dist.init_process_group(plan.backend, rank=rank, world_size=world_size)
+    # an NCCL group binds ONE device per rank, and this rank has two: the world group is gloo (it carries no
+    # gradients), and each stage all-reduces in a group of its own, bound to this rank's device for that stage
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    nccl = plan.backend == "nccl"
+    groups = [dist.new_group(backend=plan.backend, device_id=d if nccl else None) for d in devices]
     try:
         torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False  # full fp32 (no TF32)
         torch.manual_seed(seed)  # the same weights as the one-process reference's ConvNet
         model = TwoStage(ConvNet(batch_norm=False).to(dtype), split, devices)
-        ddp_model = DDP(model, device_ids=None)  # the module spans devices: DDP must not pick one
+        stage0, stage1 = (DDP(s, process_group=g) for s, g in zip((model.stage0, model.stage1), groups))
         sampler = DistributedSampler(dataset, world_size, rank, shuffle=True, seed=seed, drop_last=True)
         loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
-        opt = torch.optim.SGD(ddp_model.parameters(), lr=lr, momentum=0.9)
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
         losses = []
         for step, (xb, yb) in zip(range(steps), loader):
             opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(ddp_model(xb.to(dtype)), yb.to(model.output_device))  # labels on the output device
-            loss.backward()  # DDP all-reduces each gradient on its own device
+            out = stage1(stage0(xb.to(devices[0], dtype)).to(devices[1]))  # TwoStage's forward, through the DDPs
+            loss = F.cross_entropy(out, yb.to(devices[1]))  # labels on the output device
+            loss.backward()  # each stage's DDP all-reduces its gradients in its own group, on its own device
             opt.step()
             losses.append(loss.item())
             report(step=step + 1, total=steps, loss=losses[-1])
         result = {"params": model.convnet_state(), "losses": losses, "devices": [str(d) for d in devices],
                   "indices": list(sampler)[: steps * batch_size], "plan": plan.sentence}
-        # name the device: NCCL's barrier otherwise warns that it guesses one
-        dist.barrier(**({"device_ids": [devices[0].index]} if plan.backend == "nccl" else {}))
+        dist.barrier()  # the world group: gloo
     finally:
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # every group this rank joined
     return result
 # ---- end of export from notebooks/10-pipelines.ipynb ----

@@ -5,7 +5,7 @@ concept figures, links to sources, exercises and solution cells; the functions i
 defines; and, for the course, each lesson whose torch calls appear in no notebook cell (strings and comments
 do not count: the calls must be code a learner can read and change).
 
-    python scripts/course_audit.py          # a table, then what is missing
+    python scripts/course_audit.py          # a table, the GPU routes per machine class, then what is missing
     python scripts/course_audit.py --readme # rewrite README.md's notebook table from the notebooks' headers
 """
 
@@ -303,6 +303,127 @@ def audit(root: Path = ROOT) -> tuple[list[Report], list[str], dict[str, list[st
     return reports, missing_lessons, undefined
 
 
+# ---- GPU routes per machine class: which cells put work on GPUs with 1, 2, 4 (standing for ≥ 4) and 8 GPUs ----
+MACHINES = (1, 2, 4, 8)
+
+
+def _planners(n: int) -> dict:
+    """The course's planners as a notebook names them, told that the machine has ``n`` usable GPUs."""
+    from types import SimpleNamespace
+
+    from helpers import devices, stages
+
+    import torch
+
+    from helpers import devices, stages
+
+    def count(n_gpus):  # a call that names its own count ("what if") keeps it
+        return n if n_gpus is None else n_gpus
+
+    dev = SimpleNamespace(
+        plan=lambda w, n_gpus=None, backend=None: devices.plan(w, n_gpus=count(n_gpus), backend=backend),
+        plan_launch=lambda w, n_gpus=None: devices.plan_launch(w, n_gpus=count(n_gpus)), gpu_count=lambda: n,
+        pick_device=lambda i=0: torch.device("cuda", i if i < n else 0) if n else torch.device("cpu"))
+    stg = SimpleNamespace(plan_pipeline=lambda s=2, n_gpus=None: stages.plan_pipeline(s, n_gpus=count(n_gpus)),
+                          plan_hybrid=lambda w=2, s=2, n_gpus=None: stages.plan_hybrid(w, s, n_gpus=count(n_gpus)))
+    return {"devices": dev, "stages": stg, "SMOKE": False, "min": min, "max": max, "len": len, "range": range,
+            "dict": dict, **vars(dev), **vars(stg)}
+
+
+def _value(node: ast.AST, ns: dict):
+    try:
+        expression = ast.fix_missing_locations(ast.Expression(node))
+        return eval(compile(expression, "<audit>", "eval"), {"__builtins__": {}}, ns)  # noqa: S307
+    except Exception:  # a name the audit cannot know (data, a model): not a planning expression
+        return None
+
+
+def _on_gpu(plan) -> bool:
+    found = getattr(plan, "devices", ())
+    flat = [d for d in found for d in (d if isinstance(d, tuple) else (d,))]
+    return any(getattr(d, "type", None) == "cuda" for d in flat)
+
+
+def _cell_routes(tree: ast.Module, ns: dict, planners: dict) -> list[str]:
+    """Why one cell puts work on a GPU of an ``n``-GPU machine (empty: it does not), updating ``ns`` as it runs."""
+    why = []
+    for node in tree.body:  # top-level assignments give later cells their world sizes and plans
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], _value(node.value, ns)
+            if isinstance(target, ast.Name) and value is not None:
+                ns[target.id] = value
+            elif isinstance(target, ast.Tuple) and isinstance(value, tuple) and len(value) == len(target.elts):
+                ns.update({t.id: v for t, v in zip(target.elts, value) if isinstance(t, ast.Name)})  # W, LR = 2, 0.1
+    for node in _top_level(tree):
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func).split(".")[-1]
+            kw = {}  # keyword → value; **QUIET spreads a dict the notebook assigned, e.g. dict(plan=devices.plan_launch)
+            for k in node.keywords:
+                value = _value(k.value, ns)
+                kw.update(value if k.arg is None and isinstance(value, dict) else {k.arg: value} if k.arg else {})
+            if name in LAUNCHERS and len(node.args) >= 2 and isinstance(w := _value(node.args[1], ns), int):
+                chosen, backend = kw.get("plan") or planners["plan"], kw.get("backend")
+                plan = (chosen(w, backend=backend) if chosen is planners["plan"] else
+                        chosen(w) if callable(chosen) else chosen)  # plan_launch, or a Plan given as it is
+                if _on_gpu(plan):
+                    why.append(f"{name} W={w} ({plan.backend})")
+            elif name == "torchrun_command" and isinstance(w := kw.get("nproc"), int):
+                if _on_gpu(plan := planners["plan"](w)):  # the course's scripts plan with devices.plan(LOCAL_WORLD_SIZE)
+                    why.append(f"torchrun nproc={w} ({plan.backend})")
+            else:  # work on a GPU device the notebook chose (01's pick_device): a call given it
+                given = [ns.get(a.id) for a in node.args if isinstance(a, ast.Name)] + list(kw.values())
+                cuda = [str(d) for d in given if getattr(d, "type", None) == "cuda"]
+                if cuda:
+                    why.append(f"work on {cuda[0]}")
+        elif isinstance(node, ast.If) and (GPU_TEST.search(test := ast.unparse(node.test)) or "plan" in test):
+            verdict = _value(node.test, ns)
+            if verdict:
+                why.append(f"if {test[:40]}")
+    return list(dict.fromkeys(why))
+
+
+def gpu_routes(root: Path = ROOT, machines=MACHINES) -> dict[int, dict[str, list[tuple[int, str]]]]:
+    """{GPUs: {notebook: [(cell, why), ...]}}: the cells that put ranks or work on GPUs on such a machine.
+
+    Derived from each notebook's code with the course's own planners told the GPU count: launches
+    (``launch(fn, W)``, ``plan=devices.plan_launch``), torchrun's ``nproc``, plan calls whose devices are GPUs,
+    ``if`` branches on a GPU test that hold there, and top-level calls given a GPU device the notebook chose
+    (``pick_device``). Full size (``SMOKE`` False). Not seen: a world size or test the audit cannot evaluate (it
+    depends on data or on torch at run time), launches inside functions (20 starts train_gpt.py from one, sized by
+    ``mfu.plan_capstone``), and where a launched rank function puts its work when it plans on its own (10's
+    ``pp_rank`` follows ``stages.plan_pipeline``): the launch's plan is what is listed.
+    """
+    routes = {}
+    for n in machines:
+        per = {}
+        for path in sorted((root / "notebooks").glob("*.ipynb")):
+            planners = _planners(n)
+            ns = {**planners, "n_gpus": n, "GPUS": n}  # a notebook's own names replace these as its cells assign
+            cells = []
+            for index, cell in enumerate(json.loads(path.read_text())["cells"]):
+                src = "".join(cell["source"])
+                if cell["cell_type"] != "code" or src.lstrip().startswith("%%"):
+                    continue
+                try:
+                    tree = ast.parse(_python(src))
+                except SyntaxError:
+                    continue
+                cells += [(index, why) for why in _cell_routes(tree, ns, planners)]
+            if cells:
+                per[path.stem] = cells
+        routes[n] = per
+    return routes
+
+
+def print_gpu_routes(routes: dict) -> None:
+    print("\nGPU routes (gpu_routes' docstring says what it cannot see: 20's runs start inside a function)")
+    for n, per in routes.items():
+        label = f"{n} GPU{'s' if n > 1 else ''}" + (" (and any machine with 4 to 7)" if n == 4 else "")
+        print(f"\nGPU routes on {label}: {len(per)} notebooks, {sum(len({c for c, _ in v}) for v in per.values())} cells")
+        for name, cells in per.items():
+            print(f"  {name}: " + "; ".join(f"cell {c} {why}" for c, why in cells))
+
+
 TABLE_BEGIN = "<!-- the notebook table: written by `make readme` from each notebook's header -->"
 TABLE_END = "<!-- end of the notebook table -->"
 
@@ -346,6 +467,7 @@ def main() -> int:
         if r.gpu_lines:
             print(f"\n{r.name}: the lines only a GPU runs")
             print("\n".join("    " + line for line in r.gpu_lines))
+    print_gpu_routes(gpu_routes())
     risks = [f"  {r.name} {risk}" for r in reports for risk in r.process_risks]
     print(f"\ntop-level CUDA or autograd in a notebook's own process: {len(risks)}")
     print("\n".join(risks)) if risks else None

@@ -431,3 +431,25 @@ def test_the_solution_rule_catches_no_assert_and_an_assert_on_inputs_only():
     assert _solution_findings("def f(x):\n    return x\nassert f(2) == 2") == []  # a function it defined
     nb = _tiny_notebook(Path(__import__("tempfile").mkdtemp()), "print(1)")
     assert _weak_solutions(nb) == {}  # an untagged cell is no solution
+
+
+def test_gpu_routes_list_the_cells_that_use_gpus_per_machine_class(tmp_path):
+    """scripts/course_audit.py's GPU routes: launches planned by the course's planners, GPU branches, a chosen GPU."""
+    cells = ["from helpers import devices\nfrom helpers.launch import launch\nn_gpus = devices.gpu_count()\n"
+             "W, LR = 2, 0.1\nQUIET = dict(quiet=True, plan=devices.plan_launch)",  # 0: planning only, no GPU work
+             "launch(f, W, **QUIET)",  # 1: a GPU per rank where 2 fit
+             "launch(f, 4, **QUIET)",  # 2: only where 4 fit
+             "if n_gpus >= 2:\n    print('two')\nelse:\n    print('fewer')",  # 3: a GPU branch
+             "if not n_gpus:\n    print('CPU')",  # 4: the CPU's branch
+             "device = devices.pick_device(0)\nmodel.to(device)",  # 5: work on the notebook's own GPU
+             "launch(f, 2, plan=devices.plan(2, n_gpus=0))",  # 6: a what-if plan: the CPU
+             "%%writefile s.py\nlaunch(f, 2)"]  # 7: a file's text, not run here
+    (tmp_path / "notebooks").mkdir()
+    (tmp_path / "notebooks" / "00-tiny.ipynb").write_text(json.dumps({"cells": [
+        {"cell_type": "code", "metadata": {}, "source": c.splitlines(True), "outputs": [], "execution_count": None}
+        for c in cells], "metadata": {}}))
+    routes = course_audit.gpu_routes(tmp_path)
+    assert sorted(routes) == [1, 2, 4, 8]
+    on = {n: sorted({c for c, _ in per.get("00-tiny", [])}) for n, per in routes.items()}
+    assert on == {1: [5], 2: [1, 3, 5], 4: [1, 2, 3, 5], 8: [1, 2, 3, 5]}
+    assert ("00-tiny", [(1, "launch W=2 (nccl)")]) in [(k, [r for r in v if r[0] == 1]) for k, v in routes[2].items()]
