@@ -279,7 +279,7 @@ def test_notebook_19_compiles_nothing_in_its_own_process():
     assert "FAILED" not in out.stdout and "CUDA_INITS 0 " in out.stdout, out.stdout[-3000:]
 
 
-# ---- per-launch devices (issue 44, items 1, 2, 8): four machines, mocked; every launch of 15, 16, 17, 21, 22 ----
+# ---- per-launch devices (issue 44, items 1, 2, 8): four machines, mocked; every launch of 15-17, 19, 21, 22 ----
 
 import re  # noqa: E402
 
@@ -309,10 +309,15 @@ LAUNCHES = {
                            ("2-D mesh (2, 2)", (4,), "fit"), ("exercise 1: 4 tp", (4,), "fit"),
                            ("exercise 2: plain", (2,), "fit")],
     "21-context-parallel": [("check", (4,), "fit"), ("check float32", (4,), "fit"), ("timed", (4,), "fit"),
-                            ("exchange", (4,), "fit"), ("torch context_parallel", (4,), "cpu"),
+                            ("exchange", (4,), "fit"), ("torch context_parallel", (4,), "fit"),
                             ("exercise 1", (3, 8), "fit"), ("exercise 2: broken", (4,), "fit")],
     "22-expert-parallel": [("EP", (2,), "fit"), ("EP float32", (2,), "fit"), ("2-D mesh (2, 2)", (4,), "fit"),
                            ("exercise 3: EP over 4", (4,), "fit")],
+    "19-torch-compile": [("capture the forward", (1,), "fit"), ("graph breaks", (1,), "fit"),
+                         ("DDP graphs, two caps", (2,), "fit"), ("FSDP2, blocks compiled", (2,), "fit"),
+                         ("timed, eager and compiled", (2,), "fit"), ("float64, compiled and eager", (2,), "fit"),
+                         ("exercise 1: cap 25", (2,), "fit"), ("exercise 2: three lengths", (1,), "fit"),
+                         ("exercise 3: one block", (1,), "fit")],
 }
 
 
@@ -379,6 +384,31 @@ def test_each_rank_of_each_launch_gets_its_device_and_backend(machine, notebook)
             assert p.backend == ("nccl" if on_gpus else "gloo"), (machine, notebook, what, w)
             if how == "fit" and not on_gpus and n:
                 assert f"{w} ranks need a GPU each and {n}" in p.sentence, p.sentence
+
+
+@pytest.mark.parametrize("machine", MACHINES, indirect=True)
+def test_notebook_19_plans_each_launch_and_compiles_for_its_ranks_device(machine, monkeypatch):
+    """19's setup cell, run on each mocked machine: its launch options place every launch as LAUNCHES says (one GPU
+    per rank over NCCL where W fits, else CPU ranks over gloo), and the compile backend is checked for the device
+    the compiled (W-rank) launches compute on. Before: 1xH100 put its one-process captures on cuda:0 over gloo and
+    its 2-rank launches on a shared cuda:0 (backend="gloo"), while the rank functions computed on the CPU."""
+    from helpers import compiler
+
+    asked = []
+    monkeypatch.setattr(compiler, "pick_backend", lambda device_type="cpu": asked.append(device_type) or ("x", "y"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")  # cell 1 points it at a fresh folder; restored after
+    scope = {}
+    exec(compile(_code_cells("19-torch-compile")[0], "19, cell 1", "exec"), scope)
+    options = {k: scope["QUIET"].get(k) for k in ("plan", "backend")}
+    n = USABLE[machine]
+    for what, worlds, _ in LAUNCHES["19-torch-compile"]:
+        for w in worlds:
+            p = launch_plan(w, **options)
+            on_gpus = w <= n
+            assert [str(d) for d in p.devices] == ([f"cuda:{r}" for r in range(w)] if on_gpus else ["cpu"] * w), \
+                (machine, what, w, p.sentence)
+            assert p.backend == ("nccl" if on_gpus else "gloo"), (machine, what, w)
+    assert asked == ["cuda" if scope["W"] <= n else "cpu"], asked  # Triton's check for GPU ranks, C++ for CPU ones
 
 
 @pytest.mark.parametrize("machine", ["2xT4"], indirect=True)
