@@ -87,19 +87,22 @@ from pathlib import Path  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 # in a child, for each number of usable GPUs as helpers.devices counts them (NVML and its checks stand aside, the
-# data stays unloaded): notebook {nb}'s parameters cell, then the plan each of its launches gets with its arguments
+# data stays unloaded): notebook {nb}'s parameters cell, then the plan each of its launches gets from the cell's own
+# launch options (QUIET's plan: devices.plan_launch, chosen per launch)
 PLANS_ON_GPUS = """
 import json, math, helpers.data, helpers.devices as devices
 helpers.data.get_datasets = lambda *args, **kwargs: (None, None)
 cells = json.load(open({nb!r}))["cells"]
-cell = "".join(next(c["source"] for c in cells if c["cell_type"] == "code" and "ON_CPU =" in "".join(c["source"])))
+cell = "".join(next(c["source"] for c in cells
+                    if c["cell_type"] == "code" and "plan=devices.plan_launch" in "".join(c["source"])))
 for n in (1, 2, 3):
     devices._usable = lambda: (n, None)
     ns = {{}}
     exec(cell, ns)
     sizes = {{ns["W"], 1, math.prod(ns.get("HSDP", ()))}} if "W" in ns else {{ns["SAVE_W"], *ns["LOAD_WS"]}}
-    print(json.dumps({{"gpus": n, "on_cpu": ns["ON_CPU"], "plain": devices.plan(2).backend,
-                      "backends": sorted({{devices.plan(w, backend=ns["QUIET"].get("backend")).backend for w in sizes}})}}))
+    plans = {{w: ns["QUIET"]["plan"](w) for w in sorted(sizes)}}
+    print(json.dumps({{"gpus": n, "plain": devices.plan(2).backend, "launches": {{
+        str(w): [p.devices[0].type, p.backend, len({{str(d) for d in p.devices}})] for w, p in plans.items()}}}}))
 """
 
 
@@ -113,11 +116,15 @@ def plans_on_gpus(notebook: Path) -> list[dict]:
 
 @pytest.mark.parametrize("notebook", ["15-fsdp", "16-distributed-checkpoints"])
 def test_cpu_ranks_get_gloo_whatever_the_number_of_gpus(notebook):
-    """On 2 GPUs notebook 16 runs its ranks on the CPU (3 ranks would share one), yet a plain launch of 2 would plan
-    NCCL: init_device_mesh("cpu", ...) then sits on an NCCL-only group and the first CPU collective fails ("No backend
-    type associated with device type cpu"). Every launch must pass backend="gloo" whenever ON_CPU."""
+    """Each launch of 15 and 16 is planned on its own (devices.plan_launch): a launch that fits the usable GPUs puts one
+    rank on each over NCCL; one that needs more ranks than GPUs runs every rank on the CPU over gloo, never a CPU rank
+    on an NCCL group (init_device_mesh("cpu", ...) on NCCL fails: "No backend type associated with device type cpu")
+    and never two ranks on one GPU."""
     plans = plans_on_gpus(ROOT / "notebooks" / f"{notebook}.ipynb")
     assert [p["gpus"] for p in plans] == [1, 2, 3]
     for p in plans:
         assert p["plain"] == ("nccl" if p["gpus"] >= 2 else "gloo"), p  # the mocked GPUs are seen
-        assert p["backends"] == ["gloo" if p["on_cpu"] else "nccl"], p  # CPU ranks: gloo; a GPU per rank: NCCL
+        for w, launch in p["launches"].items():
+            fits = int(w) <= p["gpus"]
+            assert launch == (["cuda", "nccl", int(w)] if fits else ["cpu", "gloo", 1]), (w, p)
+    assert any(launch[0] == "cuda" for p in plans for launch in p["launches"].values())  # a GPU route is reached
