@@ -52,17 +52,25 @@ def check_nccl_joins(calls_per_rank):
         assert len(set(devices)) == len(devices), f"two ranks on one GPU in one NCCL group: {devices}"
 
 
-def test_hybrid_binds_each_stage_group_to_that_stage_gpu_on_four_gpus(monkeypatch):
+def hybrid_calls(monkeypatch, n_gpus, ranks=range(2)):
+    """Each rank's recorded joins when hybrid_steps starts on n_gpus mocked GPUs (stopped before the model is built)."""
     from helpers import pipeline, stages
 
-    monkeypatch.setattr(stages, "gpu_count", lambda: 4)
+    monkeypatch.setattr(stages, "gpu_count", lambda: n_gpus)
     monkeypatch.setattr(pipeline, "TwoStage", lambda *a, **k: (_ for _ in ()).throw(Stop()))
     per_rank = []
-    for rank in range(2):
+    for rank in ranks:
         calls = record_groups(monkeypatch)
         with pytest.raises(Stop):
             pipeline.hybrid_steps(rank, 2, None, 1, 1, 0.1)
         per_rank.append(calls)
+    return per_rank
+
+
+def test_hybrid_binds_each_stage_group_to_that_stage_gpu_on_four_gpus(monkeypatch):
+    from helpers import stages
+
+    per_rank = hybrid_calls(monkeypatch, 4)
     plan = stages.plan_hybrid(2, 2, n_gpus=4)
     assert [str(d) for d in plan.devices[1]] == ["cuda:2", "cuda:3"]  # rank 1 owns two GPUs
     for rank, calls in enumerate(per_rank):
@@ -75,28 +83,13 @@ def test_hybrid_binds_each_stage_group_to_that_stage_gpu_on_four_gpus(monkeypatc
 
 
 def test_hybrid_on_two_gpus_each_rank_binds_its_own(monkeypatch):
-    from helpers import pipeline, stages
-
-    monkeypatch.setattr(stages, "gpu_count", lambda: 2)
-    monkeypatch.setattr(pipeline, "TwoStage", lambda *a, **k: (_ for _ in ()).throw(Stop()))
-    per_rank = []
-    for rank in range(2):
-        calls = record_groups(monkeypatch)
-        with pytest.raises(Stop):
-            pipeline.hybrid_steps(rank, 2, None, 1, 1, 0.1)
-        per_rank.append(calls)
+    per_rank = hybrid_calls(monkeypatch, 2)
     assert [[str(c[2]) for c in calls if c[1] == "nccl"] for calls in per_rank] == [["cuda:0"] * 2, ["cuda:1"] * 2]
     check_nccl_joins(per_rank)
 
 
 def test_hybrid_on_the_cpu_stays_gloo_without_a_device(monkeypatch):
-    from helpers import pipeline, stages
-
-    monkeypatch.setattr(stages, "gpu_count", lambda: 0)
-    monkeypatch.setattr(pipeline, "TwoStage", lambda *a, **k: (_ for _ in ()).throw(Stop()))
-    calls = record_groups(monkeypatch)
-    with pytest.raises(Stop):
-        pipeline.hybrid_steps(0, 2, None, 1, 1, 0.1)
+    calls, = hybrid_calls(monkeypatch, 0, ranks=[0])
     assert {(c[1], c[2]) for c in calls} == {("gloo", None)}
 
 
