@@ -103,11 +103,14 @@ class GPT(nn.Module):
                 into_residual = name.endswith((".o.weight", ".down.weight"))
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.cfg.n_layer) if into_residual else 0.02)
 
-    def forward(self, idx):  # token ids (B, T) → logits (B, T, vocab)
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+    def forward(self, idx, positions=None):  # token ids (B, T) → logits (B, T, vocab)
+        # positions: each token's place in the whole sequence (a rank holding part of it passes its own, 21)
+        positions = torch.arange(idx.shape[1], device=idx.device) if positions is None else positions
+        # A pipeline stage (09, 10) drops what it does not hold: without `tok` it takes activations, without `head`
+        x = self.tok(idx) + self.pos(positions) if self.tok is not None else idx  # it returns them
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False) if self.checkpointing else block(x)
-        return self.head(self.norm(x))
+        return self.head(self.norm(x)) if self.head is not None else x
 
 
 def gpt_loss(model, x, y):

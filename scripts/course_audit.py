@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # helpers, for the GPU routes (make audit runs it with the system python)
 
 # lesson → (notebook name pattern, torch calls that must be code in one of its cells)
 LESSONS = {
