@@ -85,12 +85,12 @@ export:
 	$(PYTHON) scripts/export.py
 
 # Per notebook: reading words, share in code strings, figures, links, exercises, solutions; lessons off the page.
-audit:
-	$(PYTHON) scripts/course_audit.py
+audit: $(STAMP)
+	$(PY) scripts/course_audit.py
 
 # README.md's notebook table, from each notebook's header (title, "Runs on:", time): one source for both.
-readme:
-	$(PYTHON) scripts/course_audit.py --readme
+readme: $(STAMP)
+	$(PY) scripts/course_audit.py --readme
 
 # Every notebook run at full size and timed; each header's time (and so the README's) rewritten from the run.
 # Run it on a quiet machine: the executed copies stay in /tmp/full so each printed verdict can be read.
