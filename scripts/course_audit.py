@@ -70,6 +70,7 @@ class Report:
     code_lines: int = 0  # lines of code (no blank or comment-only lines), solution cells left out
     helper_calls: int = 0  # calls into the course's helpers package, solution cells left out
     torch_calls: int = 0  # calls into torch (torchvision, keras), solution cells left out
+    longest_function: tuple[int, str] = (0, "")  # (lines of code, name) of the longest def on the page, solutions out
     gpu_lines: list[str] = field(default_factory=list)  # code only a GPU runs: the bodies of GPU-only branches
     process_risks: list[str] = field(default_factory=list)  # top-level CUDA or autograd in the notebook process
     defined: set[str] = field(default_factory=set)
@@ -236,6 +237,22 @@ def _written_script(src: str) -> ast.Module | None:
         return None
 
 
+def _function_lengths(tree: ast.AST, src: str) -> list[tuple[int, str]]:
+    """(lines of code, name) of every function a cell defines (nested ones too): its non-blank, non-comment lines."""
+    lines = src.splitlines()
+    found = []
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = lines[n.lineno - 1:n.end_lineno]
+            doc = n.body[0] if n.body and isinstance(n.body[0], ast.Expr) and isinstance(
+                getattr(n.body[0], "value", None), ast.Constant) and isinstance(n.body[0].value.value, str) else None
+            skip = set(range(doc.lineno, doc.end_lineno + 1)) if doc else set()
+            count = sum(1 for i, line in enumerate(body, n.lineno)
+                        if i not in skip and line.strip() and not line.strip().startswith("#"))
+            found.append((count, n.name))
+    return found
+
+
 def _exercises(markdown: str) -> int:
     m = re.search(r"^#+\s*Exercises\s*$(.*?)(?=^#+\s|\Z)", markdown, re.M | re.S)
     return len(re.findall(r"^\s*\d+\.\s", m.group(1), re.M)) if m else 0
@@ -277,6 +294,8 @@ def audit_notebook(path: Path) -> Report:
                 calls = _library_calls(script, script_origins)
             r.helper_calls += calls["helpers"]
             r.torch_calls += calls["torch"]
+            text = src.lstrip().partition("\n")[2] if script is not None else _python(src)  # a script: below %%writefile
+            r.longest_function = max([r.longest_function, *_function_lengths(script or tree, text)])
             r.gpu_lines += _gpu_only(tree)
     text = "\n".join(markdown)
     r.words = len(WORD.findall(re.sub(r"```.*?```|`[^`]*`|\(https?://[^)]*\)", " ", text, flags=re.S)))
@@ -460,10 +479,11 @@ def main() -> int:
     reports, missing, undefined = audit()
     print("Solution cells left out of words, code lines and calls. gpu: lines only a GPU runs (CI never does).")
     print(f"{'notebook':34} {'words':>6} {'in str':>6} {'code':>5} {'help':>5} {'torch':>5} {'figs':>4} "
-          f"{'links':>5} {'ex':>3} {'sol':>3} {'gpu':>4}")
+          f"{'links':>5} {'ex':>3} {'sol':>3} {'gpu':>4}  longest function")
     for r in reports:
         print(f"{r.name:34} {r.words:6d} {r.string_share:6.0%} {r.code_lines:5d} {r.helper_calls:5d} "
-              f"{r.torch_calls:5d} {r.figures:4d} {r.links:5d} {r.exercises:3d} {r.solutions:3d} {len(r.gpu_lines):4d}")
+              f"{r.torch_calls:5d} {r.figures:4d} {r.links:5d} {r.exercises:3d} {r.solutions:3d} {len(r.gpu_lines):4d}  "
+              f"{r.longest_function[1]} ({r.longest_function[0]})")
     for r in reports:
         if r.gpu_lines:
             print(f"\n{r.name}: the lines only a GPU runs")

@@ -31,8 +31,8 @@ BY_NAME = {r.name: r for r in REPORTS}
 # course's helpers against calls into torch, solution cells left out (scripts/course_audit.py counts them).
 MAX_WORDS = 2000
 MAX_STRING_SHARE = 0.15
-MAX_CODE_LINES = 220
-HELPER_CALLS_OVER_TORCH = 5
+MAX_CODE_LINES = 200
+MAX_FUNCTION_LINES = 30
 
 
 def cells(path: Path) -> list[dict]:
@@ -87,12 +87,65 @@ def test_one_sitting_reading_in_markdown_and_links(path):
     assert r.links >= 2, f"{r.links} links to primary sources (at least 2)"
 
 
+def _limit_findings(r) -> dict[str, str]:
+    """{rule: what breaks it} for the countable one-sitting limits of issue 45 (solution cells left out)."""
+    found = {}
+    if r.code_lines > MAX_CODE_LINES:
+        found["code"] = f"{r.code_lines} lines of code outside solutions (at most {MAX_CODE_LINES})"
+    if r.longest_function[0] > MAX_FUNCTION_LINES:
+        found["function"] = (f"{r.longest_function[1]} is {r.longest_function[0]} lines (at most "
+                             f"{MAX_FUNCTION_LINES}: the step in its own short function, instrumentation after it)")
+    if r.name != "00-check-environment" and 2 * r.helper_calls > r.torch_calls:
+        found["helpers"] = (f"{r.helper_calls} calls into helpers against {r.torch_calls} into torch (at most half): "
+                            "write the lesson's torch in the cells")
+    return found
+
+
+# Notebooks over a limit when the limits came in (issue 45), each named with the rules it breaks: an entry goes once
+# its notebook meets the rule (the test fails while a listed rule passes). `make audit` prints every column.
+KNOWN_OVER_LIMITS: dict[str, set[str]] = {
+    "01-single-gpu": {'code', 'helpers'},
+    "02-data-parallel": {'helpers'},
+    "03-collectives": {'function'},
+    "04-ddp": {'code', 'helpers'},
+    "05-launching-from-a-notebook": {'helpers'},
+    "06-ddp-habits": {'code', 'function', 'helpers'},
+    "07-large-batch": {'code', 'helpers'},
+    "08-memory": {'code'},
+    "09-model-parallel": {'helpers'},
+    "10-pipelines": {'code', 'function', 'helpers'},
+    "11-data-loading": {'helpers'},
+    "12-visible-devices": {'helpers'},
+    "13-torchrun-and-clusters": {'helpers'},
+    "14-debugging-distributed": {'code', 'helpers'},
+    "15-fsdp": {'function', 'helpers'},
+    "16-distributed-checkpoints": {'helpers'},
+    "17-tensor-parallel": {'code'},
+    "18-keras-on-torch": {'code', 'helpers'},
+    "19-torch-compile": {'helpers'},
+    "20-gpt-capstone": {'helpers'},
+    "21-context-parallel": {'code', 'helpers'},
+    "22-expert-parallel": {'function'},
+}
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_the_page_shows_torch_more_than_the_course_s_machinery(path):
-    r = BY_NAME[path.stem]
-    assert r.code_lines <= MAX_CODE_LINES, f"{r.code_lines} lines of code outside solutions (at most {MAX_CODE_LINES})"
-    assert r.helper_calls <= r.torch_calls + HELPER_CALLS_OVER_TORCH, (
-        f"{r.helper_calls} calls into helpers against {r.torch_calls} into torch: write the lesson's torch in the cells")
+    found = _limit_findings(BY_NAME[path.stem])
+    known = KNOWN_OVER_LIMITS.get(path.stem, set())
+    assert set(found) <= known, {k: v for k, v in found.items() if k not in known}
+    assert known <= set(found), f"{sorted(known - set(found))} hold now: drop them from KNOWN_OVER_LIMITS"
+
+
+def test_the_limit_rules_catch_long_code_a_long_function_and_too_many_helper_calls(tmp_path):
+    long_fn = "def step():\n" + "".join(f"    x{i} = torch.zeros({i})\n" for i in range(31))
+    many = "from helpers import plots\n" + "plots.a()\nplots.b()\n" + "torch.ones(1)\n" * 3
+    filler = "".join(f"y{i} = torch.ones({i})\n" for i in range(170))
+    r = course_audit.audit_notebook(_tiny_notebook(tmp_path, "import torch\n" + long_fn + many + filler))
+    assert r.longest_function == (32, "step")  # its def line and 31 of body
+    assert set(_limit_findings(r)) == {"code", "function"}
+    few = course_audit.audit_notebook(_tiny_notebook(tmp_path, "import torch\n" + many))
+    assert _limit_findings(few) == {"helpers": _limit_findings(few)["helpers"]} and few.helper_calls == 2
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
