@@ -120,7 +120,6 @@ KNOWN_OVER_LIMITS: dict[str, set[str]] = {
     "14-debugging-distributed": {'code', 'helpers'},
     "15-fsdp": {'function', 'helpers'},
     "16-distributed-checkpoints": {'helpers'},
-    "17-tensor-parallel": {'code'},
     "18-keras-on-torch": {'code', 'helpers'},
     "19-torch-compile": {'helpers'},
     "20-gpt-capstone": {'helpers'},
