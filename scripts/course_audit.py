@@ -12,6 +12,7 @@ do not count: the calls must be code a learner can read and change).
 from __future__ import annotations
 
 import ast
+import functools
 import io
 import json
 import re
@@ -68,7 +69,8 @@ class Report:
     solutions: int = 0
     code: str = ""  # code cells joined, strings and comments removed
     code_lines: int = 0  # lines of code (no blank or comment-only lines), solution cells left out
-    helper_calls: int = 0  # calls into the course's helpers package, solution cells left out
+    helper_calls: int = 0  # calls into the course's machinery in helpers, solution cells left out
+    page_calls: int = 0  # calls of code a notebook wrote on its page and exported (the ConvNet, the GPT, ...)
     torch_calls: int = 0  # calls into torch (torchvision, keras), solution cells left out
     longest_function: tuple[int, str] = (0, "")  # (lines of code, name) of the longest def on the page, solutions out
     gpu_lines: list[str] = field(default_factory=list)  # code only a GPU runs: the bodies of GPU-only branches
@@ -166,16 +168,36 @@ def _origins(tree: ast.AST, origins: dict[str, str]) -> None:
                     origins[a.asname or a.name] = lib
 
 
+@functools.cache
+def written_on_a_page(root: Path = ROOT) -> frozenset[str]:
+    """Names a notebook defines in an exported cell (``#| export helpers/...``): the course's lessons, kept in helpers
+    so that later pages reuse them (d2l's ``#@save``): the ConvNet, train_one_epoch, the GPT, ring_all_reduce, ..."""
+    names = set()
+    for path in (root / "notebooks").glob("*.ipynb"):
+        for cell in json.loads(path.read_text())["cells"]:
+            src = "".join(cell["source"])
+            if cell["cell_type"] == "code" and re.match(r"#\|\s*export\s", src):
+                try:
+                    tree = ast.parse(_python(src))
+                except SyntaxError:
+                    continue
+                names |= {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    return frozenset(names)
+
+
 def _library_calls(tree: ast.AST, origins: dict[str, str]) -> dict[str, int]:
-    """How many calls in a cell go to torch and to helpers, by the name each call starts from."""
-    counts = {"torch": 0, "helpers": 0}
+    """How many calls in a cell go to torch, to the course's machinery in helpers, and to code an earlier page wrote
+    (exported into helpers), by the name each call starts from."""
+    counts = {"torch": 0, "helpers": 0, "pages": 0}
     for n in ast.walk(tree):
         if isinstance(n, ast.Call):
             root = n.func
             while isinstance(root, ast.Attribute):  # torch.nn.Linear(...) yes; F.relu(x).sum() counts once
                 root = root.value
             if isinstance(root, ast.Name) and root.id in origins:
-                counts[origins[root.id]] += 1
+                called = n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+                page = origins[root.id] == "helpers" and called in written_on_a_page()
+                counts["pages" if page else origins[root.id]] += 1
     return counts
 
 
@@ -294,6 +316,7 @@ def audit_notebook(path: Path) -> Report:
                 calls = _library_calls(script, script_origins)
             r.helper_calls += calls["helpers"]
             r.torch_calls += calls["torch"]
+            r.page_calls += calls["pages"]
             text = src.lstrip().partition("\n")[2] if script is not None else _python(src)  # a script: below %%writefile
             r.longest_function = max([r.longest_function, *_function_lengths(script or tree, text)])
             r.gpu_lines += _gpu_only(tree)
@@ -477,12 +500,13 @@ def main() -> int:
         write_readme()
         return 0
     reports, missing, undefined = audit()
-    print("Solution cells left out of words, code lines and calls. gpu: lines only a GPU runs (CI never does).")
+    print("Solution cells left out of words, code lines and calls. help: calls into the course's machinery; pages: calls"
+          " of code a notebook wrote and exported (the ConvNet, the GPT, ...). gpu: lines only a GPU runs (CI never does).")
     print(f"{'notebook':34} {'words':>6} {'in str':>6} {'code':>5} {'help':>5} {'torch':>5} {'figs':>4} "
           f"{'links':>5} {'ex':>3} {'sol':>3} {'gpu':>4}  longest function")
     for r in reports:
         print(f"{r.name:34} {r.words:6d} {r.string_share:6.0%} {r.code_lines:5d} {r.helper_calls:5d} "
-              f"{r.torch_calls:5d} {r.figures:4d} {r.links:5d} {r.exercises:3d} {r.solutions:3d} {len(r.gpu_lines):4d}  "
+              f"{r.torch_calls:5d} {r.page_calls:5d} {r.figures:4d} {r.links:5d} {r.exercises:3d} {r.solutions:3d} {len(r.gpu_lines):4d}  "
               f"{r.longest_function[1]} ({r.longest_function[0]})")
     for r in reports:
         if r.gpu_lines:
