@@ -128,7 +128,6 @@ KNOWN_OVER_LIMITS: dict[str, set[str]] = {
     "15-fsdp": {'function', 'helpers'},
     "16-distributed-checkpoints": {'helpers'},
     "18-keras-on-torch": {'code', 'helpers'},
-    "19-torch-compile": {'helpers'},
     "20-gpt-capstone": {'helpers'},
     "21-context-parallel": {'code', 'helpers'},
     "22-expert-parallel": {'function'},
