@@ -129,7 +129,6 @@ KNOWN_OVER_LIMITS: dict[str, set[str]] = {
     "16-distributed-checkpoints": {'helpers'},
     "18-keras-on-torch": {'code', 'helpers'},
     "20-gpt-capstone": {'helpers'},
-    "21-context-parallel": {'code', 'helpers'},
     "22-expert-parallel": {'function'},
 }
 

@@ -2,9 +2,14 @@
 
 The notebook checks the ring inside the GPT's attention on 4 ranks (tests/test_equivalence_21.py reruns that with
 perturbed rounding); these tests check the pieces: the layouts cover the sequence once, the block counts the
-notebook prints, the log-sum-exp merge, and the ring forward and backward against SDPA on 2 and 3 ranks, both
-layouts, where W does not equal the notebook's.
+notebook prints, the log-sum-exp merge, the ring forward and backward against SDPA on 2 and 3 ranks, both
+layouts, where W does not equal the notebook's, the overlapped ring equal to the plain one bit for bit, the ring on
+a process group of part of the ranks, and notebooks/figures/ring-attention.svg drawn from the blocks the ring runs.
 """
+
+import importlib.util
+from pathlib import Path
+
 
 import pytest
 import torch
@@ -12,7 +17,8 @@ import torch.nn.functional as F
 
 from conftest import QUIET
 from helpers.launch import launch
-from helpers.ring_attention import RingAttention, blocks, chunks_of, merge, positions, scores
+from helpers.ring_attention import (RingAttention, blocks, chunks_of, merge, positions, ring_forward,
+                                    ring_forward_overlapped, scores)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
@@ -76,3 +82,56 @@ def _ring_rank(rank, world_size, T, zigzag):
 def test_the_ring_equals_causal_sdpa_in_output_and_gradients(world_size, zigzag):
     gaps = launch(_ring_rank, world_size, 2 * world_size * 5, zigzag, backend="gloo", **QUIET)
     assert max(gaps) < 1e-12, gaps
+
+
+def _overlap_rank(rank, world_size, T, zigzag):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, T, 4, dtype=torch.float64) for _ in range(3))
+    pos = positions(rank, world_size, T, zigzag)
+    mine = [t[:, :, pos] for t in (q, k, v)]
+    plain, overlapped = ring_forward(*mine, zigzag), ring_forward_overlapped(*mine, zigzag)
+    reference = F.scaled_dot_product_attention(q, k, v, is_causal=True)[:, :, pos]
+    return all(torch.equal(a, b) for a, b in zip(plain, overlapped)), (overlapped[0] - reference).abs().max().item()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("zigzag", [False, True])
+def test_the_overlapped_ring_computes_what_the_plain_one_does_bit_for_bit(world_size, zigzag):
+    out = launch(_overlap_rank, world_size, 2 * world_size * 4, zigzag, backend="gloo", **QUIET)
+    assert all(same for same, _ in out)
+    assert max(gap for _, gap in out) < 1e-12
+
+
+def _subgroup_rank(rank, world_size):  # two rings of 2 on a (2, 2) mesh, each over its own cp group
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    cp = mesh["cp"]
+    torch.manual_seed(mesh["dp"].get_local_rank())  # each dp row its own sequence
+    q, k, v, grad = (torch.randn(1, 2, 8, 4, dtype=torch.float64) for _ in range(4))
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    F.scaled_dot_product_attention(*ref, is_causal=True).backward(grad)
+    pos = positions(cp.get_local_rank(), cp.size(), 8, True)
+    mine = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
+    out = RingAttention.apply(*mine, True, cp.get_group())
+    out.backward(grad[:, :, pos])
+    dist.barrier()
+    return max((m.grad - r.grad[:, :, pos]).abs().max().item() for m, r in zip(mine, ref))
+
+
+def test_the_ring_runs_over_the_cp_group_of_a_2d_mesh():
+    assert max(launch(_subgroup_rank, 4, backend="gloo", **QUIET)) < 1e-12
+
+
+def test_the_ring_figure_is_what_the_ring_computes():
+    """notebooks/figures/ring-attention.svg is scripts/figure_ring.py's drawing of blocks() and chunks_of()."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "figure_ring.py"
+    spec = importlib.util.spec_from_file_location("figure_ring", script)
+    figure = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figure)
+    assert figure.OUT.read_text() == figure.svg(), "run: python scripts/figure_ring.py"
+    for zigzag in (False, True):  # every causal block exactly once: the triangle of 2W chunks, diagonal included
+        cells = figure.computed(zigzag)
+        assert sorted(cells) == [(i, j) for i in range(2 * figure.W) for j in range(i + 1)]
+        assert all(diagonal == (i == j) for (i, j), (_, _, diagonal) in cells.items())
