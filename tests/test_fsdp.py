@@ -1,6 +1,6 @@
-"""helpers.fsdp: notebook 15's exported FSDP2 recipe (``shard``) and what notebooks 16 and 17 reuse around it.
+"""helpers.fsdp: notebook 15b's exported FSDP2 recipe (``shard``), which notebook 16 and the tests shard the GPT with.
 
-The FSDP lesson itself is written in notebooks/15-fsdp.ipynb, whose asserts check it.
+The FSDP lesson itself is written in notebooks/15-fsdp.ipynb and 15b-fsdp-in-production.ipynb, whose asserts check it.
 Training runs in launched ranks only (a backward pass in this process would break later GPU forks).
 """
 
@@ -13,14 +13,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from helpers import fsdp
 from conftest import QUIET
 from helpers.launch import launch
-
-
-def test_global_batches_are_disjoint_and_seeded():
-    with pytest.raises(ValueError, match="samples"):
-        fsdp.global_batches(10, 3, 4)
-    b = fsdp.global_batches(10, 2, 4, seed=1)
-    assert b.shape == (2, 4) and len(set(b.flatten().tolist())) == 8
-    assert torch.equal(b, fsdp.global_batches(10, 2, 4, seed=1))
 
 
 def _recipe_rank(rank, world_size, *, param_dtype=None, checkpointing=False):
@@ -52,28 +44,25 @@ def test_shard_keeps_names_shards_dim_0_and_follows_its_options():
     assert recipe[3] < plain[3] / 2  # checkpointed blocks keep their input only
 
 
-def _sharded_rank(rank, world_size):
-    mesh = init_device_mesh("cpu", (world_size,))
-    model = fsdp.sharded_model(8, 2, mesh, torch.device("cpu"), param_dtype=torch.bfloat16)
-    shards = {n: (p.placements[0].dim, p.to_local().shape[0], p.shape[0], p.dtype) for n, p in model.named_parameters()}
-    images, labels = torch.randn(4, 784), torch.randint(0, 10, (4,))
-    loss = fsdp.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), images, labels)
-    return shards, float(loss)
+def _plain_rank(rank, world_size):
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from helpers.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=8, n_layer=3, n_head=2, d_model=8))
+    fsdp.shard(model, init_device_mesh("cpu", (world_size,)))
+    units = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    with CommDebugMode() as comm:
+        model(torch.randint(0, 256, (2, 8))).sum().backward()
+    return units, {str(op).split(".")[-1].strip("_"): n for op, n in comm.get_comm_counts().items()}
 
 
-def test_sharded_model_is_built_on_meta_and_holds_slices_of_dim_0():
-    shards, loss = launch(_sharded_rank, 2, **QUIET)[0]
-    assert loss > 0
-    for name, (dim, local, full, dtype) in shards.items():
-        assert dim == 0 and local == -(-full // 2) and dtype == torch.float32, name  # bf16 only for compute
-
-
-def test_rank_slice_cuts_a_global_batch_into_equal_parts():
-    images, labels = torch.arange(12.0).view(6, 2), torch.arange(6)
-    dataset = torch.utils.data.TensorDataset(images, labels)
-    batches = torch.tensor([[5, 4, 3, 2]])
-    x, y = fsdp.rank_slice(dataset, batches, 0, 1, 2, torch.device("cpu"))
-    assert y.tolist() == [3, 2] and torch.equal(x, images[[3, 2]])
+def test_shard_without_options_is_notebook_15_s_fully_shard_per_block_and_at_the_root():
+    units, comms = launch(_plain_rank, 2, **QUIET)[0]
+    assert units == ["", "blocks.0", "blocks.1", "blocks.2"]  # the root and one unit per block
+    assert comms == {"allgather_base": 2 * 3 + 1, "reduce_scatter_base": 3 + 1}  # blocks gathered twice, root once
 
 
 # ---- the plan each notebook's launches get on a machine with GPUs (mocked): CPU ranks must get gloo ----
@@ -114,9 +103,9 @@ def plans_on_gpus(notebook: Path) -> list[dict]:
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
-@pytest.mark.parametrize("notebook", ["15-fsdp", "16-distributed-checkpoints"])
+@pytest.mark.parametrize("notebook", ["15-fsdp", "15b-fsdp-in-production", "16-distributed-checkpoints"])
 def test_cpu_ranks_get_gloo_whatever_the_number_of_gpus(notebook):
-    """Each launch of 15 and 16 is planned on its own (devices.plan_launch): a launch that fits the usable GPUs puts one
+    """Each launch of 15, 15b and 16 is planned on its own (devices.plan_launch): a launch that fits the usable GPUs puts one
     rank on each over NCCL; one that needs more ranks than GPUs runs every rank on the CPU over gloo, never a CPU rank
     on an NCCL group (init_device_mesh("cpu", ...) on NCCL fails: "No backend type associated with device type cpu")
     and never two ranks on one GPU."""

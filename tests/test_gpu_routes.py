@@ -298,9 +298,13 @@ USABLE = {"1xH100, CUDA 13 driver": 1, "2xT4": 2, "8xH100": 8, "1xT4, 12.x drive
 # "fit": the notebook's RUN/QUIET (plan=devices.plan_launch); "cpu": CPU ranks on every machine.
 LAUNCHES = {
     "15-fsdp": [("collectives", (2,), "fit"), ("FSDP", (2,), "fit"), ("one process", (1,), "fit"),
-                ("defaults", (2,), "fit"), ("no reshard", (2,), "fit"), ("16-bit", (2,), "fit"),
-                ("HSDP (2, 2)", (4,), "fit"), ("exercise 2: one unit", (2,), "fit"),
+                ("counted: reshard_after_forward None, False", (2,), "fit"), ("exercise 2: one unit", (2,), "fit"),
                 ("exercise 3: rings", (2, 3, 4), "fit")],
+    "15b-fsdp-in-production": [("FSDP with the recipe", (2,), "fit"), ("one process", (1,), "fit"),
+                               ("measured: defaults, recipe, 16-bit", (2,), "fit"),
+                               ("float32 and 16-bit from the same start", (2,), "fit"), ("HSDP (2, 2)", (4,), "fit"),
+                               ("HSDP counted", (4,), "fit"), ("exercise 1: every other block", (2,), "fit"),
+                               ("exercise 2: not divided", (2,), "fit")],
     "16-distributed-checkpoints": [("state dicts", (2,), "fit"), ("save", (2,), "fit"),
                                    ("resume at 2, 1, 3", (2, 1, 3), "fit"), ("async save", (2,), "fit"),
                                    ("exercise 4: timing", (2,), "fit")],
