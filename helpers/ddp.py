@@ -2,12 +2,12 @@
 
 The functions are written in notebooks/04-ddp.ipynb, where a learner reads and changes them; the region
 below is exported from there (``make export``). Later notebooks, ``scripts/`` and the tests import them from
-here. Above the region: machinery only (the argument checks, the drawing of a profiled step).
+here. Above the region: machinery only (the argument checks, the clock around the timed steps, the drawing of a
+profiled step for notebooks/04b-ddp-internals.ipynb).
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import time
 
@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from . import models
 from ._rank import rank_device, report
 from .checks import positive_int, positive_number
-from .train import full_fp32, sync
+from .train import sync
 
 
 def check_steps(dataset, world_size: int, batch_size: int, steps: int, lr: float) -> None:
@@ -35,6 +35,27 @@ def check_steps(dataset, world_size: int, batch_size: int, steps: int, lr: float
                          "use a smaller batch")
 
 
+class Clock:
+    """Seconds of the work done inside a ``with`` block, the device synchronised at both ends: ``clock.seconds``.
+
+    Queued GPU work counts: the clock starts once earlier work is done and stops once the block's work is.
+    Introduced in notebooks/04-ddp.ipynb.
+    """
+
+    def __init__(self, device):
+        self.device, self.seconds = device, 0.0
+
+    def __enter__(self):
+        sync(self.device)
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        sync(self.device)
+        self.seconds = time.perf_counter() - self._start
+        return False
+
+
 STEP_COLORS = {"forward": "#bbbbbb", "backward": "#6b9bd8", "all-reduce": "#e8923a", "step": "#5aa55a"}
 
 
@@ -44,7 +65,7 @@ def plot_step_timeline(timelines: dict, title: str = "bucket_cap_mb={}: {} bucke
     ``timelines`` maps a label (a ``bucket_cap_mb``) to every rank's spans ``(lane, start_ms, end_ms)``, lanes
     named as in ``STEP_COLORS``; a ``"call"`` span (a rank asking for an all-reduce) counts a bucket and is not
     drawn. Returns the figure.
-    Introduced in notebooks/04-ddp.ipynb.
+    Introduced in notebooks/04b-ddp-internals.ipynb.
     """
     import matplotlib.pyplot as plt
 
@@ -85,66 +106,55 @@ def batches(sampler, loader):
         yield from loader
 
 
-def train_steps(model, sampler, loader, optimizer, device, steps: int, *, warmup: int = 0, live: bool = False):
-    """``warmup`` untimed steps, then ``steps`` timed: (losses, samples/s).
+def train_steps(model, optimizer, stream, device, steps: int, *, live: bool = False) -> list:
+    """``steps`` steps on the next batches of ``stream``: the losses, still on the device.
 
     Introduced in notebooks/04-ddp.ipynb.
     """
-    losses, dtype = [], next(model.parameters()).dtype  # float64 for section 5's check
-    for step, (x, y) in zip(range(warmup + steps), batches(sampler, loader)):
-        if step == warmup:  # the clock starts after the warm-up, once queued GPU work is done
-            sync(device)
-            start = time.perf_counter()
+    losses, dtype = [], next(model.parameters()).dtype  # float64 for section 4's check
+    for _, (x, y) in zip(range(steps), stream):
         x, y = x.to(device, dtype), y.to(device)  # the images come as float32
         loss = F.cross_entropy(model(x), y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # under DDP, the gradients are averaged across ranks in here
         optimizer.step()
-        if step >= warmup:
-            losses.append(loss.detach())  # on the device: reading it now would wait for the step to finish
-            if live:
-                report(step=len(losses), total=steps, loss=loss)  # reads the loss: this step waits
-    sync(device)
-    seconds = time.perf_counter() - start
-    return torch.stack(losses).tolist(), steps * loader.batch_size / seconds
+        losses.append(loss.detach())
+        if live:
+            report(step=len(losses), total=steps, loss=loss)  # reads the loss: this step waits for the device
+    return losses
 
 
 def ddp_steps(rank: int, world_size: int, dataset, steps: int, batch_size: int, lr: float, *,
               batch_norm: bool = False, seed: int = 0, warmup: int = 0, tf32: bool = False,
-              live: bool = False, dtype=torch.float32) -> dict:
-    """A DDP ConvNet in ``dtype``, trained ``steps`` steps of ``batch_size`` per rank.
+              live: bool = False, dtype=torch.float32, wrap: bool = True) -> dict:
+    """A DDP ConvNet in ``dtype``, trained ``steps`` steps of ``batch_size`` per rank (``wrap=False``: no DDP).
 
     Introduced in notebooks/04-ddp.ipynb.
     """
     check_steps(dataset, world_size, batch_size, steps, lr)
     device = rank_device()  # launch has joined the process group and bound this rank to its device
+    if not tf32:  # float32 as float32 on GPUs too (notebook 02); this rank's process only
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(seed)  # the same initial model on every rank
     model = models.ConvNet(batch_norm=batch_norm).to(device, dtype)
-    ddp_model = DDP(model, device_ids=[device] if device.type == "cuda" else None)
+    ddp_model = DDP(model, device_ids=[device] if device.type == "cuda" else None) if wrap else model
     sampler = shard_sampler(dataset, rank, world_size, seed)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr, momentum=0.9)
-    with contextlib.nullcontext() if tf32 else full_fp32():
-        losses, rate = train_steps(ddp_model, sampler, loader, optimizer, device, steps, warmup=warmup, live=live)
-    return {"params": {k: v.detach() for k, v in model.state_dict().items()}, "losses": losses, "samples_per_s": rate}
+    stream = batches(sampler, loader)
+    train_steps(ddp_model, optimizer, stream, device, warmup)  # untimed
+    with Clock(device) as clock:
+        losses = train_steps(ddp_model, optimizer, stream, device, steps, live=live)
+    return {"params": {k: v.detach() for k, v in model.state_dict().items()},
+            "losses": torch.stack(losses).tolist(), "samples_per_s": steps * batch_size / clock.seconds}
 
 
-def reference_rank(rank: int, world_size: int, dataset, steps: int, batch_size: int, lr: float, *,
-                   batch_norm: bool = False, seed: int = 0, tf32: bool = False, dtype=torch.float32) -> dict:
-    """One process, no DDP, the same shuffle: what DDP must match.
+def reference_rank(rank: int, world_size: int, dataset, steps: int, batch_size: int, lr: float, **options) -> dict:
+    """One process, no DDP, the same shuffle: what DDP must match (``options``: those of ``ddp_steps``).
 
     Introduced in notebooks/04-ddp.ipynb.
     """
     if world_size != 1:
         raise ValueError(f"launch it with world_size=1, not {world_size}")
-    check_steps(dataset, 1, batch_size, steps, lr)
-    device = rank_device()
-    torch.manual_seed(seed)
-    model = models.ConvNet(batch_norm=batch_norm).to(device, dtype)
-    sampler = shard_sampler(dataset, 0, 1, seed)  # a world of one: the whole shuffle, in order
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    with contextlib.nullcontext() if tf32 else full_fp32():
-        losses, rate = train_steps(model, sampler, loader, optimizer, device, steps)
-    return {"params": {k: v.detach() for k, v in model.state_dict().items()}, "losses": losses, "samples_per_s": rate}
+    return ddp_steps(rank, 1, dataset, steps, batch_size, lr, wrap=False, **options)  # a world of one: the whole shuffle
 # ---- end of export from notebooks/04-ddp.ipynb ----

@@ -92,7 +92,7 @@ def state_bytes(model: nn.Module, optimizer=None) -> dict:
     Gradients not yet created (or set to None) count 0; the optimizer's tensors
     are those in ``optimizer.state`` (momentum buffers, Adam's moments; scalar
     step counters included).
-    Introduced in notebooks/15-fsdp.ipynb.
+    Introduced in notebooks/08-memory.ipynb.
     """
     params = list(model.parameters())
     opt = 0
@@ -102,3 +102,17 @@ def state_bytes(model: nn.Module, optimizer=None) -> dict:
     return {"params": sum(local_bytes(p) for p in params),
             "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
             "optimizer": opt}
+
+
+def cuda_peak(step, device) -> int | None:
+    """The most the CUDA caching allocator held during one call of ``step()`` on ``device``, whatever was resident
+    before included (``reset_peak_memory_stats``, then ``max_memory_allocated``); None on any other device.
+
+    08's launched rank reads it for a plain and a checkpointed step. Introduced in notebooks/08-memory.ipynb.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    return torch.cuda.max_memory_allocated(device)

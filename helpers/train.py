@@ -41,7 +41,7 @@ def sync(device) -> None:
     """Wait for queued GPU work on ``device``, or on each device of a list, so a clock read afterwards is honest.
 
     Work queued on several GPUs (nn.DataParallel's step) is finished only when every one of them is: a list syncs
-    each. Introduced in notebooks/04-ddp.ipynb.
+    each. Introduced in notebooks/03-collectives.ipynb.
     """
     for d in device if isinstance(device, (list, tuple)) else [device]:
         d = torch.device(d)
@@ -174,7 +174,8 @@ class Tally:
         self.loss = torch.zeros((), device=self.device)  # sums, on the device
         self.correct = torch.zeros((), dtype=torch.long, device=self.device)
         self.seen = 0  # a Python int: the batch sizes are known without asking the device
-        sync(self.device)
+        if self.device.type == "cuda":  # start the clock once queued work is done
+            torch.cuda.synchronize(self.device)
         self.start = time.perf_counter()
 
     def add(self, loss_sum, out, y) -> None:  # queues two additions on the device; waits for nothing
@@ -183,7 +184,8 @@ class Tally:
         self.seen += y.shape[0]
 
     def stats(self) -> Stats:  # the one wait of a pass: read the sums
-        sync(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - self.start
         if self.seen == 0:
             raise ValueError("the loader produced no batches")

@@ -111,20 +111,11 @@ def test_code_an_earlier_page_wrote_is_not_the_course_s_machinery(tmp_path):
 # Notebooks over a limit when the limits came in (issue 45), each named with the rules it breaks: an entry goes once
 # its notebook meets the rule (the test fails while a listed rule passes). `make audit` prints every column.
 KNOWN_OVER_LIMITS: dict[str, set[str]] = {
-    "01-single-gpu": {'code', 'helpers'},
-    "02-data-parallel": {'helpers'},
-    "03-collectives": {'function'},
-    "04-ddp": {'code', 'helpers'},
-    "05-launching-from-a-notebook": {'helpers'},
-    "06-ddp-habits": {'code', 'function', 'helpers'},
-    "07-large-batch": {'code', 'helpers'},
-    "08-memory": {'code'},
     "09-model-parallel": {'helpers'},
     "10-pipelines": {'code', 'function', 'helpers'},
     "11-data-loading": {'helpers'},
     "12-visible-devices": {'helpers'},
     "13-torchrun-and-clusters": {'helpers'},
-    "14-debugging-distributed": {'code', 'helpers'},
     "18-keras-on-torch": {'code', 'helpers'},
     "20-gpt-capstone": {'helpers'},
     "22-expert-parallel": {'function'},

@@ -1,6 +1,6 @@
 """Notebook 14's Flight Recorder cells, at test size: the variables of NCCL's recorder (on by default), and the command
-line of torch's analyzer (exported from notebooks/14-debugging-distributed.ipynb into helpers.torchrun). The GPU
-cell that uses them runs only with two GPUs; these checks run everywhere."""
+line of torch's analyzer (exported from notebooks/14-debugging-distributed.ipynb into helpers.torchrun). The NCCL
+hang that uses them (exercise 6's solution) runs only with two GPUs; these checks run everywhere."""
 
 import subprocess
 import sys

@@ -3,8 +3,8 @@
 Section 4 checks that activation checkpointing leaves the gradients alone: the course's GPT, plain and with every
 block checkpointed (``GPT.checkpointing``: ``checkpoint(block, x, use_reentrant=False)``), one backward pass each,
 compared in float64 with < 1e-10. The GPT is imported from helpers/gpt.py (exported from the notebook);
-``checkpointed`` and the gradient part of ``recompute_cost`` are copied from the notebook's cells at its smoke sizes;
-the nudge lands on the plain model (its forward runs first). The last test shows the bound can fail: float32's
+the gradient part of ``recompute_cost`` (its checkpointed twin of the plain model) is copied from the notebook's cells
+at its smoke sizes; the nudge lands on the plain model (its forward runs first). The last test shows the bound can fail: float32's
 rounding alone (one side one ulp off) and a recompute that sees other weights exceed it.
 """
 
@@ -28,7 +28,7 @@ def _grad_gap(rank, world_size, dtype, other_weights=False):
     x, y = text.random_windows(train_tokens, BATCH, cfg.seq_len, torch.Generator().manual_seed(SEED))
     torch.manual_seed(SEED)
     plain = GPT(cfg)
-    kept = GPT(cfg)  # notebook 08's checkpointed(): a twin with the plain model's weights
+    kept = GPT(cfg)  # notebook 08's recompute_cost: a twin with the plain model's weights, checkpointed
     if not other_weights:  # other_weights: the bug of a checkpointed model that lacks the plain one's weights
         kept.load_state_dict(plain.state_dict())
     kept.checkpointing = True

@@ -165,3 +165,26 @@ def test_the_step_timeline_draws_a_panel_per_setting_and_counts_buckets():
     assert titles == ["bucket_cap_mb=None: 1 bucket(s)", "bucket_cap_mb=0.02: 2 bucket(s)"]
     assert len(fig.axes[0].collections) == 2 * 4, "four drawn lanes a rank, 'call' not drawn"
     matplotlib.pyplot.close(fig)
+
+
+def _one_stream(rank, world_size):
+    """A warm-up of 0, then 3 steps, then the next batch, read from one stream (in a launched rank: no autograd here)."""
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = toy_set(64)
+    stream = iter(torch.utils.data.DataLoader(data, batch_size=8))
+    none, losses = ddp.train_steps(model, optimizer, stream, "cpu", 0), ddp.train_steps(model, optimizer, stream, "cpu", 3)
+    return {"none": none, "losses": len(losses), "detached": not any(loss.requires_grad for loss in losses),
+            "fourth": torch.equal(next(stream)[0], data.tensors[0][24:32])}
+
+
+def test_the_clock_counts_the_block_and_train_steps_takes_only_the_batches_it_steps_on():
+    """``Clock`` times its block (the device synchronised at both ends); ``train_steps`` draws ``steps`` batches from
+    the stream and no more, so a warm-up and the timed steps read one stream as one run would."""
+    import time
+
+    with ddp.Clock("cpu") as clock:
+        time.sleep(0.05)
+    assert 0.05 <= clock.seconds < 5
+    out = launch(_one_stream, 1, quiet=True, progress=False)[0]
+    assert out == {"none": [], "losses": 3, "detached": True, "fourth": True}, out
