@@ -169,7 +169,7 @@ def child_stderr():
     A spawned or crashed child prints its traceback there and nowhere else.
     Yields an object whose ``text()`` returns it once the block is over; the
     kernel's stderr is restored then.
-    Introduced in notebooks/04-ddp.ipynb.
+    Introduced in notebooks/05-launching-from-a-notebook.ipynb.
     """
     captured = _Captured()
     with tempfile.TemporaryFile() as file:
