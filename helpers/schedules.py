@@ -125,7 +125,7 @@ def makespan(slots: list[Slot]) -> float:
 def idle_fraction(slots: list[Slot]) -> float:
     """Share of (stages × step time) in which a stage waits: the measured bubble of a timeline.
 
-    Introduced in notebooks/09-model-parallel.ipynb.
+    Machinery behind draw_timeline's title (09 computes the same share on its page); no notebook calls it directly.
     """
     n_stages = 1 + max(t.stage for t in slots)
     busy = sum(t.end - t.start for t in slots)

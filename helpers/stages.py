@@ -1,15 +1,17 @@
-"""Model parallelism's machinery: the ConvNet's places to cut, where stages go on this machine, what they hold.
+"""Model parallelism's machinery: the GPT's places to cut, where stages go on this machine, what they hold.
 
-``TwoStage`` (the two ``nn.Sequential`` halves and the activation hand-off) is
-written in notebooks/09-model-parallel.ipynb and exported into the region at
-the end of this file. Here: the flat list of layers a cut chooses from, the
-planners that say which device each stage (or each pipeline rank) gets with
-the GPUs that exist (counts can be mocked), and the measurements of a stage:
-the bytes it holds, the time it takes.
+``gpt_stage`` (a copy of the GPT that keeps only some blocks), ``TwoStage``
+(two such stages on two devices and the activation hand-off) and ``lm_loss``
+are written in notebooks/09-model-parallel.ipynb and exported into the region
+at the end of this file. Here: the names of the places a two-stage cut can go,
+the planners that say which device each stage (or each pipeline rank) gets
+with the GPUs that exist (counts can be mocked), and the measurements of a
+stage: the bytes it holds, the time it takes.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -20,27 +22,18 @@ from torch import nn
 from .bench import compare
 from .checks import positive_int
 from .devices import gpu_count
-from .models import ConvNet
 from .train import sync
 
 
-def convnet_layers(net: ConvNet) -> list[tuple[str, nn.Module]]:
-    """The ConvNet as one flat list of (name, layer), a Flatten before fc: the places a split can go.
-
-    Introduced in notebooks/09-model-parallel.ipynb.
-    """
-    flat = [(f"{block}.{i}", layer) for block in ("layer1", "layer2")
-            for i, layer in enumerate(getattr(net, block))]
-    return flat + [("flatten", nn.Flatten(1)), ("fc", net.fc)]
-
-
-def split_names(net: ConvNet | None = None) -> dict[int, str]:
-    """Every valid split index k (stage 0 = layers[:k]) with a readable name: 'after layer1.3 | before layer2.0'.
+def split_names(n_layer: int) -> dict[int, str]:
+    """Every valid split k of a two-stage GPT (blocks 0..k−1 in stage 0) with a readable name.
 
     Introduced in notebooks/10-pipelines.ipynb.
     """
-    names = [n for n, _ in convnet_layers(net or ConvNet(batch_norm=False))]
-    return {k: f"after {names[k - 1]} | before {names[k]}" for k in range(1, len(names))}
+    def blocks(a, b):
+        return f"blocks {a}–{b - 1}" if b - a > 1 else f"block {a}" if b > a else "no block"
+
+    return {k: f"embeddings + {blocks(0, k)} | {blocks(k, n_layer)} + head" for k in range(n_layer + 1)}
 
 
 @dataclass(frozen=True)
@@ -140,59 +133,23 @@ def plan_hybrid(world_size: int = 2, n_stages: int = 2, n_gpus: int | None = Non
                       "(gloo: NCCL refuses two ranks on one GPU): the mechanics are real, no speed-up is expected")
 
 
-def saved_bytes(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Run ``module(x)`` with autograd on; return the output and the bytes autograd saved for backward.
-
-    This is a stage's activation memory per batch: what it must hold until
-    the backward pass (tensors saved twice are counted once).
-    Machinery behind stages' memory figures; no notebook calls it directly.
-    """
-    seen: dict[tuple, int] = {}
-
-    def pack(t):
-        key = (t.device, t.untyped_storage().data_ptr()) if t.numel() else (id(t),)
-        seen[key] = max(seen.get(key, 0), t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = module(x)
-    # parameters are saved too (a conv saves its weight); they are not activation memory
-    params = {(p.device, p.untyped_storage().data_ptr()) for p in module.parameters()}
-    return out, sum(b for k, b in seen.items() if k not in params)
-
-
-def stage_memory(model, x: torch.Tensor) -> list[dict]:
-    """Per stage of a ``TwoStage``: its layers, parameters (count, bytes), activation bytes saved, output bytes.
-
-    Introduced in notebooks/09-model-parallel.ipynb.
-    """
-    rows, h = [], x
-    for s, (stage, device) in enumerate(zip((model.stage0, model.stage1), model.devices)):
-        h, act = saved_bytes(stage, h.to(device))
-        params = list(stage.parameters())
-        rows.append({"stage": s, "device": str(device), "layers": list(model.names[s]),
-                     "params": sum(p.numel() for p in params),
-                     "param_bytes": sum(p.numel() * p.element_size() for p in params), "activation_bytes": act,
-                     "output_bytes": h.numel() * h.element_size()})
-    return rows
-
-
 def stage_seconds(stage: nn.Module, inputs: torch.Tensor, target: torch.Tensor | None, device,
                   rounds: int = 5) -> float:
     """One stage's forward + backward time on a whole batch (median of ``rounds``), on ``device``, synchronised.
 
-    With ``target`` (the last stage) the loss is the cross-entropy and the
-    gradient of the input is computed too (it is what a later stage sends
-    back); without, a stand-in gradient (``.sum()``) of the same work.
+    With ``target`` (the last stage) the loss is the GPT's (``lm_loss``); an
+    activation input (a float tensor) gets its gradient computed too (what a
+    stage sends back); without a target, a stand-in gradient (``.sum()``) of
+    the same work.
     Introduced in notebooks/09-model-parallel.ipynb.
     """
     device = torch.device(device)
-    inputs = inputs.detach().to(device).requires_grad_(target is not None)
+    inputs = inputs.detach().to(device).requires_grad_(inputs.is_floating_point())
     target = None if target is None else target.to(device)
 
     def run():
         out = stage(inputs)
-        (F.cross_entropy(out, target) if target is not None else out.sum()).backward()
+        (lm_loss(out, target) if target is not None else out.sum()).backward()
         sync(device)
 
     return compare({"stage": run}, device=device, rounds=rounds)["stage"]["median"]
@@ -213,36 +170,44 @@ def own_stage_seconds(rank: int, world_size: int, stage: nn.Module, inputs, targ
 
 
 # ---- exported from notebooks/09-model-parallel.ipynb: edit it there, then run `make export` ----
+def lm_loss(logits, targets):
+    """Mean cross-entropy of the next byte over every position. Introduced in notebooks/09-model-parallel.ipynb."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def gpt_stage(model, blocks, *, first, last):
+    """A copy of the GPT holding only `blocks`, the embeddings if first, norm and head if last.
+
+    Introduced in notebooks/09-model-parallel.ipynb.
+    """
+    stage = copy.deepcopy(model)
+    for i in range(len(stage.blocks)):
+        if i not in blocks:
+            stage.blocks[i] = nn.Identity()  # not held here; its place, and every later block's name, kept
+    if not first:
+        stage.tok = stage.pos = None  # forward then takes the activation sent by the previous stage
+    if not last:
+        stage.norm = stage.head = None  # forward then returns the activation to send on
+    return stage
+
+
 class TwoStage(nn.Module):
-    """The ConvNet cut in two stages on two devices. Introduced in notebooks/09-model-parallel.ipynb."""
+    """The GPT cut in two stages on two devices. Introduced in notebooks/09-model-parallel.ipynb."""
 
-    # split = k: the first k layers of convnet_layers(net) in stage 0, the rest in stage 1 (net's own modules, moved)
-
-    def __init__(self, net, split=4, devices=("cpu", "cpu")):
+    def __init__(self, model, split=2, devices=("cpu", "cpu")):  # split = k: blocks 0 … k−1 in stage 0
         super().__init__()
-        layers = convnet_layers(net)  # [(name, module), ...] in the order forward runs them
-        if isinstance(split, bool) or not isinstance(split, int) or not 0 < split < len(layers):
-            raise ValueError(f"split must be an int from 1 to {len(layers) - 1}, got {split!r}")
-        if len(devices) != 2:
-            raise ValueError(f"need 2 devices, got {devices!r}")
+        n = len(model.blocks)
+        if positive_int("split", split, minimum=0) > n:  # refuses 2.5 and True too
+            raise ValueError(f"split must be from 0 to {n}, got {split}")
         self.devices = tuple(torch.device(d) for d in devices)
-        self.stage0 = nn.Sequential(*[m for _, m in layers[:split]]).to(self.devices[0])
-        self.stage1 = nn.Sequential(*[m for _, m in layers[split:]]).to(self.devices[1])
-        self.names = ([n for n, _ in layers[:split]], [n for n, _ in layers[split:]])  # each layer's ConvNet name
+        self.stage0 = gpt_stage(model, range(split), first=True, last=False).to(self.devices[0])
+        self.stage1 = gpt_stage(model, range(split, n), first=False, last=True).to(self.devices[1])
 
-    @property
-    def output_device(self):
-        return self.devices[1]
-
-    def forward(self, x):
-        h = self.stage0(x.to(self.devices[0]))
+    def forward(self, idx):
+        h = self.stage0(idx.to(self.devices[0]))
         return self.stage1(h.to(self.devices[1]))  # the hand-off: the activation is copied to the next device
 
-    def convnet_name(self, stage, key):  # (1, "0.weight") → "layer2.0.weight": the unsplit ConvNet's name
-        index, _, param = key.partition(".")
-        return f"{self.names[stage][int(index)]}.{param}"
-
-    def convnet_state(self, grads=False):  # parameters (or their gradients) on the CPU, by ConvNet's names
-        return {self.convnet_name(s, k): (p.grad if grads else p).detach().cpu()
-                for s, stage in enumerate((self.stage0, self.stage1)) for k, p in stage.named_parameters()}
+    def gpt_state(self, grads=False):  # parameters (or gradients) on the CPU, by their GPT names
+        return {k: (p.grad if grads else p).detach().cpu()
+                for stage in (self.stage0, self.stage1) for k, p in stage.named_parameters()}
 # ---- end of export from notebooks/09-model-parallel.ipynb ----

@@ -35,7 +35,7 @@ LESSONS = {
     "SyncBatchNorm": (r"ddp-habits", ["convert_sync_batchnorm"]),
     "autocast and GradScaler": (r"large-batch", ["autocast", "GradScaler", "scale"]),
     "LR scaling and warm-up": (r"large-batch", ["LinearLR"]),
-    "the model cut across devices": (r"model-parallel", ["Sequential", "to"]),
+    "the model cut across devices": (r"model-parallel", ["deepcopy", "Identity", "to"]),
     "PipelineStage and a schedule": (r"pipelin", ["PipelineStage", "ScheduleGPipe", "Schedule1F1B"]),
     "DataLoader workers": (r"data-loading", ["DataLoader", "num_workers", "pin_memory", "persistent_workers"]),
     "CUDA_VISIBLE_DEVICES masks": (r"visible-devices", ["CUDA_VISIBLE_DEVICES"]),

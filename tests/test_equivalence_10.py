@@ -1,209 +1,166 @@
 """Notebook 10's equivalence checks, rerun with their rounding perturbed (tests/perturb.py).
 
-Every check of notebook 10 compares with one process's unsplit ConvNet in float64 and asserts < 1e-10: the
-pipeline's gradients with ``ScheduleGPipe``, ``Schedule1F1B``, and four stages on two ranks with
-``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble`` (``pp_rank``), exercise 1's traced stages,
-exercise 2's ``scale_grads=False`` (against 4 × the gradient), five pipelined SGD steps (``pp_train``), and DDP over
-two-stage models with two and three ranks (exercises 4 and 5: ``hybrid_steps`` against ``reference_rank``). They run here with the
-notebook's own functions (the cells' launched functions are copied below, the exported ones imported) and smoke
-sizes, for every rounding in ``ROUNDINGS``; the nudge lands on the one-process side. The last test shows the bound
-can fail: float32's rounding alone, and gradients left summed over the micro-batches, exceed it.
+Every check of notebook 10 compares with one process's unsplit GPT in float64 and asserts < 1e-10: pipelined SGD
+steps (``pp_train``) with ``ScheduleGPipe`` and ``Schedule1F1B`` (two stages), and four stages of one block on two
+ranks with ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble`` and, from torch 2.15, ``ScheduleZBVZeroBubble``;
+exercise 1's traced stages (gradients), exercise 2's ``scale_grads=False`` (one step at lr / 4 against one at lr), and
+exercise 4's DDP over two-stage GPTs with two and three ranks (``hybrid_steps`` against one process with the
+world's batch). They run here with the notebook's own functions (the cells' launched functions are copied below, the
+exported ones imported) and smoke sizes, for every rounding in ``ROUNDINGS``; the nudge lands on the one-process side.
+The last test shows the bound can fail: float32's rounding alone, and gradients left summed over the micro-batches,
+exceed it.
 """
 
 import pytest
 from perturb import ROUNDINGS, perturbed, run_check
 
 TOLERANCE = 1e-10  # notebook 10, every equivalence check
-SPLIT, SEED, BATCH, N_MICRO = 4, 0, 32, 4  # notebook 10's parameters cell, smoke sizes
-HYBRID_STEPS, HYBRID_BATCH, LR = 5, 16, 0.05
+SPLIT, SEED, BATCH, STEPS, LR, N_MICRO = 2, 0, 8, 3, 0.05, 4  # notebook 10's parameters cell, smoke sizes
+SIZES = dict(n_layer=4, n_head=2, d_model=32, seq_len=32)
 QUIET = dict(quiet=True, progress=False)
 
 
-def _data():
+def _cfg_and_batches():
     import torch
 
-    from helpers import data
+    from helpers.gpt import GPTConfig
 
-    train_set, _ = data.get_datasets("fashion", smoke=True)
-    return train_set, next(iter(torch.utils.data.DataLoader(train_set, batch_size=BATCH)))
+    cfg = GPTConfig(**SIZES)
+    g = torch.Generator().manual_seed(SEED)
+    windows = torch.randint(0, cfg.vocab_size, (STEPS, BATCH, cfg.seq_len + 1), generator=g)
+    return cfg, [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in windows], g
 
 
-def _unsplit_grads(rank, world_size, x, y, dtype):  # notebook 10's unsplit_grads
+def _schedules():
+    import torch
+
+    return ["gpipe", "1f1b", "interleaved", "zero-bubble"] + (["zbv"] if torch.__version__ >= "2.15" else [])
+
+
+def _unsplit_train(rank, world_size, cfg, batches, lr, dtype):  # notebook 10's unsplit_train (the CPU's device)
     import torch
     import torch.nn.functional as F
 
-    from helpers import stages
-    from helpers.models import ConvNet
+    from helpers.gpt import GPT
 
-    device = stages.plan_pipeline(2).devices[0]
     torch.manual_seed(SEED)
-    net = ConvNet(batch_norm=False).to(device, dtype)
-    F.cross_entropy(net(x.to(device, dtype)), y.to(device)).backward()
-    return {k: p.grad.cpu() for k, p in net.named_parameters()}
+    model = GPT(cfg).to(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for xb, yb in batches:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(xb).flatten(0, 1), yb.flatten()).backward()
+        opt.step()
+    return {k: p.detach().cpu() for k, p in model.named_parameters()}
 
 
-def _traced_rank(rank, world_size, x, y, dtype, n_micro=N_MICRO):  # exercise 1's solution
+def check_training(threads, ulps, dtype="float64", schedules=None, scale_grads=True):
+    """Max |weights| after STEPS pipelined SGD steps (each schedule) vs the same steps in one process."""
+    import functools
+
     import torch
-    import torch.nn.functional as F
+
+    from helpers.launch import launch
+    from helpers.models import max_param_diff
+    from helpers.pipeline import pp_train
+
+    dt = getattr(torch, dtype)
+    cfg, batches, _ = _cfg_and_batches()
+    ref = launch(functools.partial(perturbed(_unsplit_train, threads, ulps), dtype=dt), 1, cfg, batches, LR, **QUIET)[0]
+    out = {}
+    for schedule in schedules or _schedules():
+        split = SPLIT if schedule in ("gpipe", "1f1b") else None
+        run = functools.partial(perturbed(pp_train, threads, 0), schedule=schedule, split=split, seed=SEED, dtype=dt,
+                                scale_grads=scale_grads)
+        ranks = launch(run, 2, cfg, batches, LR, **QUIET)
+        out[schedule] = max_param_diff(ref, {**ranks[0], **ranks[1]})
+    return out
+
+
+def _traced_rank(rank, world_size, cfg, x, y, n_micro=N_MICRO):  # exercise 1's solution, on the CPU
+    import torch
     from torch.distributed.pipelining import ScheduleGPipe, SplitPoint, pipeline
 
-    from helpers import stages
-    from helpers.models import ConvNet
-    from helpers.train import full_fp32
+    from helpers.gpt import GPT
+    from helpers.stages import lm_loss
 
-    device = stages.plan_pipeline(world_size).devices[rank]
-    with full_fp32():
-        torch.manual_seed(SEED)
-        net = ConvNet(batch_norm=False).to(dtype)
-        pipe = pipeline(net, (x.chunk(n_micro)[0].to(dtype),), split_spec={"layer1.3": SplitPoint.END})
-        stage = pipe.build_stage(rank, device)
-        schedule = ScheduleGPipe(stage, n_micro, loss_fn=F.cross_entropy)
-        if rank == 0:
-            schedule.step(x.to(device, dtype))
-        else:
-            schedule.step(target=y.to(device))
-        return {k: p.grad.detach().cpu() for k, p in stage.submod.named_parameters()}
+    torch.manual_seed(SEED)
+    model = GPT(cfg).to(torch.float64)
+    pipe = pipeline(model, (x.chunk(n_micro)[0],), split_spec={"blocks.2": SplitPoint.BEGINNING})
+    stage = pipe.build_stage(rank, torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, n_micro, loss_fn=lm_loss)
+    schedule.step(x) if rank == 0 else schedule.step(target=y)
+    return {k: p.grad.detach().cpu() for k, p in stage.submod.named_parameters()}
 
 
-def check_gradients(threads, ulps, dtype="float64"):
-    """Max |pipeline − unsplit| for GPipe, 1F1B, the traced stages, and scale_grads=False against 4 × unsplit."""
+def _unsplit_grads(rank, world_size, cfg, x, y):  # exercise 1's reference
+    import torch
+
+    from helpers.gpt import GPT
+    from helpers.stages import lm_loss
+
+    torch.manual_seed(SEED)
+    model = GPT(cfg).to(torch.float64)
+    lm_loss(model(x), y).backward()
+    return {k: p.grad for k, p in model.named_parameters()}
+
+
+def check_exercises(threads, ulps):
+    """Exercise 1 (traced stages), 2 (unscaled at lr / 4 vs scaled at lr), 4 (DDP over two stages, 2 and 3 ranks)."""
     import functools
 
     import torch
+    from torch.utils.data import TensorDataset
 
     from helpers.launch import launch
     from helpers.models import max_param_diff
-    from helpers.pipeline import pp_rank
+    from helpers.pipeline import hybrid_steps, pp_train
 
-    dt = getattr(torch, dtype)
-    _, (x, y) = _data()
-    ref = launch(functools.partial(perturbed(_unsplit_grads, threads, ulps), dtype=dt), 1, x, y, **QUIET)[0]
-    out = {}
-    runs = {"gpipe": {}, "1f1b": {"schedule": "1f1b"}, "interleaved": {"schedule": "interleaved"},
-            "zero-bubble": {"schedule": "zero-bubble"}, "unscaled": {"scale_grads": False}}
-    for name, kw in runs.items():
-        run = functools.partial(perturbed(pp_rank, threads, 0), micro_counts=(N_MICRO,), split=SPLIT, seed=SEED,
-                                dtype=dt, **kw)
-        res = launch(run, 2, x, y, **QUIET)
-        want = {k: N_MICRO * g for k, g in ref.items()} if name == "unscaled" else ref
-        out[name] = max_param_diff({**res[0]["grads"], **res[1]["grads"]}, want)
-    traced = launch(functools.partial(perturbed(_traced_rank, threads, 0), dtype=dt), 2, x, y, **QUIET)
-    out["traced"] = max_param_diff({**traced[0], **traced[1]}, ref)
-    return out
-
-
-def _pp_train(rank, world_size, batches, lr, dtype, n_micro=N_MICRO):  # notebook 10's pp_train
-    import torch
-    import torch.nn.functional as F
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-
-    from helpers import stages
-    from helpers.models import ConvNet
-
-    device = stages.plan_pipeline(2).devices[rank]
-    torch.manual_seed(SEED)
-    net = ConvNet(batch_norm=False)
-    layers = torch.nn.Sequential(*net.layer1, *net.layer2, torch.nn.Flatten(1), net.fc)
-    part = (layers[:SPLIT], layers[SPLIT:])[rank].to(device, dtype)
-    schedule = ScheduleGPipe(PipelineStage(part, rank, world_size, device), n_micro, loss_fn=F.cross_entropy)
-    opt = torch.optim.SGD(part.parameters(), lr=lr, momentum=0.9)
-    for xb, yb in batches:
-        opt.zero_grad(set_to_none=True)
-        if rank == 0:
-            schedule.step(xb.to(device, dtype))
-        else:
-            schedule.step(target=yb.to(device))
-        opt.step()
-    return {k: p.detach().cpu() for k, p in net.named_parameters() if p.grad is not None}
-
-
-def _unsplit_train(rank, world_size, batches, lr, dtype):  # notebook 10's unsplit_train
-    import torch
-    import torch.nn.functional as F
-
-    from helpers import stages
-    from helpers.models import ConvNet
-
-    device = stages.plan_pipeline(2).devices[0]
-    torch.manual_seed(SEED)
-    net = ConvNet(batch_norm=False).to(device, dtype)
-    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
-    for xb, yb in batches:
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(net(xb.to(device, dtype)), yb.to(device)).backward()
-        opt.step()
-    return {k: p.detach().cpu() for k, p in net.named_parameters()}
-
-
-def check_training(threads, ulps, dtype="float64", worlds=(2, 3)):
-    """Max |weights| after HYBRID_STEPS pipelined SGD steps vs unsplit, and DDP over two stages (2, 3 ranks) vs one."""
-    import functools
-
-    import torch
-    from torch.utils.data import DataLoader
-
-    from helpers.ddp import reference_rank
-    from helpers.launch import launch
-    from helpers.models import max_param_diff
-    from helpers.pipeline import hybrid_steps
-
-    dt = getattr(torch, dtype)
-    train_set, _ = _data()
-    batches = [b for _, b in zip(range(HYBRID_STEPS), DataLoader(train_set, batch_size=HYBRID_BATCH))]
-    trained = launch(functools.partial(perturbed(_pp_train, threads, 0), dtype=dt), 2, batches, LR, **QUIET)
-    one = launch(functools.partial(perturbed(_unsplit_train, threads, ulps), dtype=dt), 1, batches, LR, **QUIET)[0]
-    out = {"train": max_param_diff({**trained[0], **trained[1]}, one)}
-    for world in worlds:
-        run = functools.partial(perturbed(hybrid_steps, threads, 0), split=SPLIT, seed=SEED, dtype=dt)
-        hybrid = launch(run, world, train_set, HYBRID_STEPS, HYBRID_BATCH, LR, init=False, **QUIET)
-        ref = functools.partial(perturbed(reference_rank, threads, ulps), dtype=dt)
-        big = launch(ref, 1, train_set, HYBRID_STEPS, world * HYBRID_BATCH, LR, **QUIET)[0]
-        out[f"hybrid_{world}"] = max_param_diff(hybrid[0]["params"], big["params"])
+    cfg, batches, g = _cfg_and_batches()
+    (x, y), out = batches[0], {}
+    ref = launch(perturbed(_unsplit_grads, threads, ulps), 1, cfg, x, y, **QUIET)[0]
+    traced = launch(perturbed(_traced_rank, threads, 0), 2, cfg, x, y, **QUIET)
+    out["traced"] = max_param_diff(ref, {**traced[0], **traced[1]})
+    scaled = launch(functools.partial(perturbed(pp_train, threads, ulps), split=SPLIT, seed=SEED), 2, cfg,
+                    batches[:1], LR, **QUIET)
+    quarter = launch(functools.partial(perturbed(pp_train, threads, 0), split=SPLIT, seed=SEED, scale_grads=False), 2,
+                     cfg, batches[:1], LR / 4, **QUIET)
+    out["unscaled"] = max_param_diff({**scaled[0], **scaled[1]}, {**quarter[0], **quarter[1]})
+    for world in (2, 3):
+        seqs = torch.randint(0, cfg.vocab_size, (STEPS * world * 4, cfg.seq_len + 1), generator=g)
+        data = TensorDataset(seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous())
+        run = functools.partial(perturbed(hybrid_steps, threads, 0), cfg=cfg, split=SPLIT, seed=SEED,
+                                dtype=torch.float64)
+        hybrid = launch(run, world, data, STEPS, 4, LR, init=False, **QUIET)
+        big = [(data.tensors[0][i:i + world * 4], data.tensors[1][i:i + world * 4])
+               for i in range(0, len(data), world * 4)]
+        one = launch(functools.partial(perturbed(_unsplit_train, threads, ulps), dtype=torch.float64), 1, cfg, big, LR,
+                     **QUIET)[0]
+        out[f"hybrid_{world}"] = max_param_diff(one, hybrid[0]["params"])
     return out
 
 
 @pytest.mark.parametrize("threads,ulps", ROUNDINGS)
-def test_pipeline_gradients_equal_the_unsplit_model_s_in_float64(threads, ulps):
-    out = run_check(__file__, "check_gradients", threads, ulps)
-    print(f"gradients, {threads} thread(s), {ulps} ulp: {out}")
-    assert max(out.values()) < TOLERANCE, out
-
-
-@pytest.mark.parametrize("threads,ulps", ROUNDINGS)
-def test_pipelined_and_ddp_training_equal_one_process_in_float64(threads, ulps):
+def test_pipelined_training_equals_one_process_in_float64_for_every_schedule(threads, ulps):
     out = run_check(__file__, "check_training", threads, ulps)
     print(f"training, {threads} thread(s), {ulps} ulp: {out}")
     assert max(out.values()) < TOLERANCE, out
 
 
-def _summed_vs_mean(threads):
-    """scale_grads=False against the batch's gradient (not 4 ×): the bug of summing micro-batch gradients."""
-    import functools
-
-    import torch
-
-    from helpers.launch import launch
-    from helpers.models import max_param_diff
-    from helpers.pipeline import pp_rank
-
-    _, (x, y) = _data()
-    ref = launch(functools.partial(_unsplit_grads, dtype=torch.float64), 1, x, y, **QUIET)[0]
-    run = functools.partial(perturbed(pp_rank, threads, 0), micro_counts=(N_MICRO,), split=SPLIT, seed=SEED,
-                            dtype=torch.float64, scale_grads=False)
-    res = launch(run, 2, x, y, **QUIET)
-    return max_param_diff({**res[0]["grads"], **res[1]["grads"]}, ref)
+@pytest.mark.parametrize("threads,ulps", ROUNDINGS)
+def test_the_exercises_checks_hold_in_float64(threads, ulps):
+    out = run_check(__file__, "check_exercises", threads, ulps)
+    print(f"exercises, {threads} thread(s), {ulps} ulp: {out}")
+    assert max(out.values()) < TOLERANCE, out
 
 
 def check_bound_fails(threads, ulps):
-    grads32 = check_gradients(threads, 1, "float32")  # float32, the unsplit side one ulp off
-    return {"float32_gpipe": grads32["gpipe"], "float32_1f1b": grads32["1f1b"],
-            "float32_interleaved": grads32["interleaved"], "float32_zero_bubble": grads32["zero-bubble"],
-            "float32_train": check_training(threads, 1, "float32", worlds=())["train"], "summed": _summed_vs_mean(threads)}
+    out = {f"float32_{k}": v for k, v in check_training(threads, 1, "float32").items()}  # the one process 1 ulp off
+    out["summed"] = check_training(threads, 0, "float64", schedules=["gpipe"], scale_grads=False)["gpipe"]
+    return out
 
 
 def test_the_bound_fails_for_float32_and_summed_micro_batch_gradients():
     out = run_check(__file__, "check_bound_fails", 1, 0)
     print(out)
-    float32 = ("float32_gpipe", "float32_1f1b", "float32_interleaved", "float32_zero_bubble", "float32_train")
-    assert min(out[k] for k in float32) > TOLERANCE, "float32 exceeds it"
-    assert out["summed"] > 1e-4, "gradients summed over the micro-batches are off by (M − 1) × the gradient"
+    assert min(v for k, v in out.items() if k.startswith("float32")) > TOLERANCE, "float32 exceeds it"
+    assert out["summed"] > 1e-4, "gradients summed over the micro-batches move the weights by (M − 1) × the step"

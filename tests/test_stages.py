@@ -1,4 +1,4 @@
-"""The two-stage ConvNet (exported from notebook 09), the stage planners (GPU counts mocked), schedules on paper."""
+"""The GPT cut in stages (exported from notebook 09), the stage planners (GPU counts mocked), schedules on paper."""
 
 import matplotlib
 
@@ -8,7 +8,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from helpers import schedules, stages  # noqa: E402
-from helpers.models import ConvNet  # noqa: E402
+from helpers.gpt import GPT, GPTConfig  # noqa: E402
 
 
 @pytest.mark.parametrize("n_gpus, expect, kind", [
@@ -52,33 +52,46 @@ def test_hybrid_planner_gives_each_rank_its_stage_devices(n_gpus, expect, backen
     assert ("real model parallelism" in plan.sentence) == (n_gpus >= 4), plan.sentence
 
 
-def test_two_stage_forward_equals_convnet_without_autograd():
+def _gpt():
     torch.manual_seed(0)
-    net = ConvNet(batch_norm=False).eval()
-    x = torch.randn(8, 1, 28, 28)
+    return GPT(GPTConfig(n_layer=4, n_head=2, d_model=16, seq_len=8))
+
+
+def test_two_stage_forward_equals_the_gpt_without_autograd():
+    model = _gpt().eval()
+    x = torch.randint(0, 256, (3, 8))
     with torch.no_grad():
-        ref = net(x)
-        for k in stages.split_names():
-            model = stages.TwoStage(net, k)
-            assert torch.equal(model(x), ref), k
-            assert set(model.convnet_state()) == {n for n, _ in net.named_parameters()}
+        ref = model(x)
+        for k in stages.split_names(4):
+            two = stages.TwoStage(model, k)
+            assert torch.equal(two(x), ref), k
+            assert {n: v.shape for n, v in two.gpt_state().items()} == {n: p.shape for n, p in model.named_parameters()}
+
+
+def test_a_gpt_stage_keeps_its_blocks_and_its_gpt_names():
+    model = _gpt()
+    middle = stages.gpt_stage(model, range(1, 3), first=False, last=False)
+    assert middle.tok is None and middle.pos is None and middle.norm is None and middle.head is None
+    assert [type(b).__name__ for b in middle.blocks] == ["Identity", "Block", "Block", "Identity"]
+    assert {k for k, _ in middle.named_parameters()} == {k for k, _ in model.named_parameters()
+                                                         if k.startswith(("blocks.1.", "blocks.2."))}
+    first = stages.gpt_stage(model, range(0), first=True, last=False)  # the embeddings alone: still parameters
+    assert {k.split(".")[0] for k, _ in first.named_parameters()} == {"tok", "pos"}
+    assert model.blocks[1] is not middle.blocks[1], "a copy: the model keeps its own blocks"
 
 
 def test_two_stage_refuses_bad_splits():
-    for bad in (0, 10, 2.5, True):
-        with pytest.raises(ValueError, match="split must be"):
-            stages.TwoStage(ConvNet(), bad)
-    with pytest.raises(ValueError, match="2 devices"):
-        stages.TwoStage(ConvNet(), 4, ("cpu",))
+    for bad, error in ((-1, ValueError), (5, ValueError), (2.5, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="split must be"):
+            stages.TwoStage(_gpt(), bad)
 
 
-def test_two_stage_names_parameters_as_the_unsplit_convnet_does():
-    net = ConvNet(batch_norm=False)
-    model = stages.TwoStage(net, 4)
-    assert model.convnet_name(0, "0.weight") == "layer1.0.weight"
-    assert model.convnet_name(1, "0.bias") == "layer2.0.bias"
-    assert model.convnet_name(1, "5.weight") == "fc.weight"
-    assert {k: v.shape for k, v in model.convnet_state().items()} == {k: v.shape for k, v in net.named_parameters()}
+def test_split_names_name_every_cut_of_a_two_stage_gpt():
+    names = stages.split_names(4)
+    assert list(names) == [0, 1, 2, 3, 4]
+    assert names[0] == "embeddings + no block | blocks 0–3 + head"
+    assert names[2] == "embeddings + blocks 0–1 | blocks 2–3 + head"
+    assert names[3] == "embeddings + blocks 0–2 | block 3 + head"
 
 
 @pytest.mark.parametrize("n_gpus, expect, kind", [
@@ -102,14 +115,13 @@ def test_pipeline_ranks_and_their_stage_times_share_one_device(n_gpus, expect, k
 
 
 def test_stage_seconds_times_a_stage_on_its_device():
-    torch.manual_seed(0)
-    model = stages.TwoStage(ConvNet(batch_norm=False), 4)
-    x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    two = stages.TwoStage(_gpt(), 2)
+    x = torch.randint(0, 256, (2, 8))
     with torch.no_grad():
-        h = model.stage0(x)
-    assert stages.stage_seconds(model.stage0, x, None, "cpu", rounds=2) > 0
-    assert stages.stage_seconds(model.stage1, h, y, "cpu", rounds=2) > 0
-    assert model.stage1[0].weight.grad is not None
+        h = two.stage0(x)
+    assert stages.stage_seconds(two.stage0, x, None, "cpu", rounds=2) > 0
+    assert stages.stage_seconds(two.stage1, h, x, "cpu", rounds=2) > 0
+    assert two.stage1.head.weight.grad is not None
 
 
 def test_sweep_rows_put_measured_times_beside_the_perfect_pipeline():
@@ -121,20 +133,6 @@ def test_sweep_rows_put_measured_times_beside_the_perfect_pipeline():
     assert rows[1]["bubble"] == pytest.approx(schedules.bubble_fraction(2, 4))
     fig = schedules.plot_sweep(rows, "test")
     assert fig.axes and fig.axes[0].get_title() == "test"
-
-
-def test_stage_memory_counts_parameters_and_saved_activations():
-    torch.manual_seed(0)
-    net = ConvNet(batch_norm=False)
-    x = torch.randn(4, 1, 28, 28)
-    rows = stages.stage_memory(stages.TwoStage(net, 4), x)
-    assert rows[0]["params"] + rows[1]["params"] == sum(p.numel() for p in net.parameters())
-    assert rows[0]["output_bytes"] == 4 * 16 * 14 * 14 * 4
-    assert rows[1]["output_bytes"] == 4 * 10 * 4
-    # ReLU saves its 4x16x28x28 output; the pool saves input and indices; conv saves its input
-    assert rows[0]["activation_bytes"] >= 4 * 16 * 28 * 28 * 4 + x.numel() * 4
-    relu_only = stages.saved_bytes(torch.nn.ReLU(), torch.randn(10, 10, requires_grad=True))[1]
-    assert relu_only == 400
 
 
 def test_bubble_formula_is_the_simulated_idle_time():
