@@ -8,7 +8,7 @@ FP32 figure, because torch leaves TF32 off for float32 matmuls unless asked (the
 CPU has no datasheet figure the course can rely on, so its peak is *measured*: the median rate of a large float32
 matmul on all its cores, labelled as such.
 
-Introduced in notebooks/20-gpt-capstone.ipynb (and scripts/train_gpt.py).
+Introduced in notebooks/20b-gpt-capstone-run.ipynb (and scripts/train_gpt.py).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def datasheet_peak(gpu_name: str, precision: str = "bf16") -> tuple[float, str, 
     A model matches when its words are whole words of the name, in order: "NVIDIA A100-SXM4-40GB" is an A100,
     "NVIDIA RTX A1000" is not, nor is "NVIDIA T400" a T4. ``precision`` is the datasheet row the run's matmuls use
     (``matmul_precision``): "bf16", "fp16", "tf32" or "fp32".
-    Introduced in notebooks/20-gpt-capstone.ipynb.
+    Introduced in notebooks/20b-gpt-capstone-run.ipynb.
     """
     words = _words(gpu_name)
     for model, tflops, source in DATASHEET_TFLOPS:
@@ -97,7 +97,7 @@ def matmul_precision(dtype: torch.dtype) -> str:
     which falls back to IEEE float32), switched on by ``torch.backends.cuda.matmul.fp32_precision = "tf32"``, the
     legacy ``allow_tf32 = True`` or ``torch.set_float32_matmul_precision("high")``; the ``fp32_precision`` getter
     reads all three (torch/backends/cuda/__init__.py).
-    Introduced in notebooks/20-gpt-capstone.ipynb.
+    Machinery behind plan_capstone and scripts/train_gpt.py's peak; no notebook calls it directly.
     """
     if dtype == torch.float32:
         return "tf32" if torch.backends.cuda.matmul.fp32_precision == "tf32" else "fp32"
@@ -126,7 +126,7 @@ class MatmulRate:
 def cpu_matmul_rate(n: int = 2048, repeats: int = 7, dtype=torch.float32, threads: int | None = None) -> MatmulRate:
     """The CPU's measured peak: median FLOP/s of an n x n matmul (2n³ FLOPs) on all usable cores, after a warm-up.
 
-    Introduced in notebooks/20-gpt-capstone.ipynb.
+    Introduced in notebooks/20b-gpt-capstone-run.ipynb.
     """
     threads = threads or len(os.sched_getaffinity(0))
     before = torch.get_num_threads()
@@ -147,7 +147,8 @@ def cpu_matmul_rate(n: int = 2048, repeats: int = 7, dtype=torch.float32, thread
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:
     """Model FLOPs utilisation: tokens/s x FLOPs per token (the model's count) over the peak FLOP/s.
 
-    Introduced in notebooks/20-gpt-capstone.ipynb.
+    Machinery behind scripts/train_gpt.py's per-step MFU (20b computes the same ratio in a cell);
+    no notebook calls it directly.
     """
     if tokens_per_s < 0 or flops_per_token <= 0 or peak_flops <= 0:
         raise ValueError(f"tokens/s {tokens_per_s}, FLOPs/token {flops_per_token}, peak {peak_flops}: "
@@ -155,14 +156,14 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float
     return tokens_per_s * flops_per_token / peak_flops
 
 
-# The capstone's sizes. "cpu": the whole notebook at full size (160 steps on 4 ranks over 2 cores, two short
-# compile trials, a resumed run) ends within 5 minutes on 2 quiet cores.
+# The capstone's sizes. "cpu": the whole notebook at full size (the checks of section 2, 48 steps on 8 ranks as
+# pp=2 x dp=2 x tp=2 in float64 over 2 cores, a resumed run on 4) ends within 5 minutes on 2 quiet cores.
 # "gpu-16g" (T4, L4, A10, ~16-24 GiB) and "gpu-40g" (A100, H100, H200, ...): large enough that each step's matmuls
 # (batch x seq_len rows of d_model-wide weights) keep the tensor cores busy rather than waiting for kernel launches,
 # with room for AdamW's state and the activations of one checkpointed block. batch is the GLOBAL batch.
 SIZES = {
     "smoke": dict(n_layer=2, n_head=4, d_model=64, seq_len=64, batch=8, steps=12, lr=3e-3),
-    "cpu": dict(n_layer=4, n_head=4, d_model=128, seq_len=64, batch=16, steps=160, lr=3e-3),
+    "cpu": dict(n_layer=4, n_head=4, d_model=64, seq_len=64, batch=16, steps=48, lr=3e-3),
     "gpu-16g": dict(n_layer=8, n_head=8, d_model=512, seq_len=512, batch=32, steps=400, lr=1e-3),
     "gpu-40g": dict(n_layer=12, n_head=12, d_model=768, seq_len=1024, batch=64, steps=400, lr=6e-4),
 }
@@ -186,29 +187,40 @@ def choose_size(device_type: str, memory_gib: float | None = None, smoke: bool =
 class CapstoneRun:
     """What notebook 20 trains on this machine: workers, mesh, size, dtype, and the peak its MFU divides by."""
 
-    world: int                # torchrun's workers: one per usable GPU (a power of two, at most 8), or 4 on the CPU
-    tp: int                   # tensor-parallel degree; dp = world / tp
+    world: int                # torchrun's workers: one per usable GPU (a power of two, at most 8), or 8 on the CPU
+    pp: int                   # pipeline stages
+    tp: int                   # tensor-parallel degree; dp = world / (pp * tp)
     size: str                 # a key of SIZES
     device: str               # "cuda" or "cpu"
-    dtype: str                # what the script's --dtype auto picks: "bfloat16" on GPUs with BF16, else "float32"
+    dtype: str                # "bfloat16" on GPUs with BF16, else "float32"; "float64" on the CPU (exact checks)
     gpu: str | None           # the GPUs' NVML name
     peak: float | None        # one GPU's datasheet peak FLOP/s for that dtype; None: measure it (CPU) or unknown
     peak_source: str          # where the peak comes from, in words
+
+
+def mesh_shape(world: int) -> tuple[int, int]:
+    """(pp, tp) for a world of 1, 2, 4 or 8 workers: tp=2 from 2 workers, pp=2 from 4; dp is the rest.
+
+    Machinery behind plan_capstone; no notebook calls it directly.
+    """
+    return (2 if world >= 4 else 1), (2 if world >= 2 else 1)
 
 
 def plan_capstone(smoke: bool = False, max_gpus: int = 8) -> CapstoneRun:
     """Size notebook 20's run from the GPUs that ``devices.plan`` would use, not NVML's raw list.
 
     GPUs that a driver or kernel check rules out (``devices.gpu_count()`` is 0 then) size nothing: the run is the
-    CPU's. Otherwise every usable GPU trains, up to ``max_gpus``, rounded down to a power of two so that the global
-    batch and the heads split evenly; the peak is the datasheet's for the precision the script's matmuls will run
-    in (``matmul_precision`` of its ``--dtype auto``: bf16 where the GPU has BF16, else float32).
-    Introduced in notebooks/20-gpt-capstone.ipynb.
+    CPU's, 8 workers as pp=2 x dp=2 x tp=2 in float64 (4, dp=1, in smoke mode). Otherwise every usable GPU trains,
+    up to ``max_gpus``, rounded down to a power of two so that the batch, the layers and the heads split evenly
+    (``mesh_shape``); the peak is the datasheet's for the precision the script's matmuls will run in
+    (``matmul_precision`` of its ``--dtype``: bf16 where the GPU has BF16, else float32).
+    Introduced in notebooks/20b-gpt-capstone-run.ipynb.
     """
     usable = min(devices.gpu_count(), max_gpus)
-    if usable == 0:
-        return CapstoneRun(world=4, tp=2, size=choose_size("cpu", smoke=smoke), device="cpu", dtype="float32",
-                           gpu=None, peak=None, peak_source="measured matmul rate (no datasheet for a CPU)")
+    if usable == 0:  # smoke: 4 workers (pp=2 x dp=1 x tp=2) start faster than 8
+        return CapstoneRun(world=4 if smoke else 8, pp=2, tp=2, size=choose_size("cpu", smoke=smoke), device="cpu",
+                           dtype="float64", gpu=None, peak=None,
+                           peak_source="measured matmul rate (no datasheet for a CPU)")
     world = 1 << (usable.bit_length() - 1)  # 1, 2, 4 or 8
     gpus = devices.describe().gpus[:world]
     memory = min((g.memory_gib or 0) for g in gpus) if gpus else None
@@ -216,7 +228,8 @@ def plan_capstone(smoke: bool = False, max_gpus: int = 8) -> CapstoneRun:
     precision = matmul_precision(dtype)
     name = gpus[0].name if gpus else "unknown"
     found = datasheet_peak(name, precision)
-    return CapstoneRun(world=world, tp=2 if world >= 2 else 1, size=choose_size("cuda", memory, smoke=smoke),
+    pp, tp = mesh_shape(world)
+    return CapstoneRun(world=world, pp=pp, tp=tp, size=choose_size("cuda", memory, smoke=smoke),
                        device="cuda", dtype=str(dtype).replace("torch.", ""), gpu=name,
                        peak=found[0] if found else None,
                        peak_source=f"datasheet, dense {precision}" if found else f"no datasheet {precision} figure")

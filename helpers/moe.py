@@ -1,22 +1,26 @@
-"""A mixture-of-experts MLP for the course's GPT and expert parallelism over ranks, written in
-notebooks/22-expert-parallel.ipynb and exported here (tests/test_moe.py, tests/test_equivalence_22.py).
+"""A mixture-of-experts MLP for the course's GPT (notebooks/22-expert-parallel.ipynb) and expert parallelism with
+FSDP (notebooks/22b-expert-parallel-fsdp.ipynb), exported here (tests/test_moe.py, tests/test_equivalence_22.py).
 
-``route`` is the router's decision (top-k, renormalised weights, the capacity cut, Switch's load-balancing loss);
-``MoE`` holds E copies of ``gpt.MLP`` and a router; ``AllToAll`` and ``ep_forward`` dispatch a rank's tokens to the
-ranks of their experts and combine the outputs with ``all_to_all_single`` and uneven splits; ``ep_rank`` checks a
-(dp, ep) mesh against the same MoE in one process.
+``route`` is the router's decision (top-k, renormalised weights, the optional capacity cut, DeepSeek-V3's bias for the
+choice, Switch's load-balancing loss); ``Experts`` runs E stacked MLPs as one padded batched matmul; ``MoE`` is a
+router, routed experts (dropless unless given a capacity) and a shared expert; ``update_bias`` is DeepSeek-V3's
+balancing without a loss. ``AllToAll`` and ``ExpertParallel`` send a rank's rows to the ranks of their experts and
+back with ``all_to_all_single`` and uneven splits; ``shard_experts`` lays the MoE-GPT out as EP × FSDP on an
+(edp, ep) mesh; ``ep_fsdp_rank`` checks one step of it against one process.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 from helpers import gpt
@@ -24,54 +28,96 @@ from helpers._rank import rank_device
 
 
 # ---- exported from notebooks/22-expert-parallel.ipynb: edit it there, then run `make export` ----
-def route(logits, k, capacity_factor):
-    """Top-k experts per token, their renormalised weights, what capacity keeps, and Switch's balancing loss.
+def route(logits, k, capacity_factor=None, bias=None):
+    """Top-k experts per token, their renormalised weights, what capacity keeps (all: dropless), Switch's loss.
 
     Introduced in notebooks/22-expert-parallel.ipynb.
     """
     T, E = logits.shape
     probs = logits.softmax(-1)
-    weights, experts = probs.topk(k, dim=-1)  # (T, k), the most probable first
+    experts = (probs if bias is None else probs + bias).topk(k, dim=-1).indices  # the bias picks, never weighs
+    weights = probs.gather(1, experts)
     weights = weights / weights.sum(-1, keepdim=True)  # Mixtral's convention
-    capacity = math.ceil(capacity_factor * T * k / E)
     one_hot = F.one_hot(experts.T.reshape(-1), E)  # slot-major: every first choice before any second
-    place = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # each assignment's place in its expert's queue
-    keep = (place < capacity).view(k, T).T
+    keep = torch.ones_like(experts, dtype=torch.bool)
+    if capacity_factor is not None:  # GShard's and Switch's cut; None: dropless
+        capacity = math.ceil(capacity_factor * T * k / E)
+        place = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # each assignment's place in its expert's queue
+        keep = (place < capacity).view(k, T).T
     f, P = one_hot.to(probs.dtype).mean(0), probs.mean(0)  # share of assignments, mean probability
     return weights, experts, keep, E * (f * P).sum()
 
 
-class MoE(nn.Module):
-    """E copies of the GPT's MLP and a router that sends each token to k of them; a drop-in for Block.mlp.
+class Experts(nn.Module):
+    """E MLPs (d → h, GELU, → d) with stacked weights, run as one padded batched matmul on rows sorted by expert.
 
     Introduced in notebooks/22-expert-parallel.ipynb.
     """
 
-    def __init__(self, cfg, n_experts, k, capacity_factor):
+    def __init__(self, n_experts, d_model, hidden):
         super().__init__()
-        self.n_experts, self.k, self.capacity_factor = n_experts, k, capacity_factor
-        self.router = nn.Linear(cfg.d_model, n_experts, bias=False)
-        self.experts = nn.ModuleList(gpt.MLP(cfg) for _ in range(n_experts))
+        def init(fan_in, *shape):  # nn.Linear's default: uniform in ±1/√fan_in
+            return nn.Parameter(torch.empty(n_experts, *shape).uniform_(-fan_in**-0.5, fan_in**-0.5))
+        self.up, self.up_bias = init(d_model, d_model, hidden), init(d_model, 1, hidden)
+        self.down, self.down_bias = init(hidden, hidden, d_model), init(hidden, 1, d_model)
 
-    def route(self, tokens):
-        weights, experts, keep, self.aux_loss = route(self.router(tokens), self.k, self.capacity_factor)
-        self.routed = experts.masked_fill(~keep, -1)  # each (token, slot)'s expert; -1: dropped by capacity
-        return weights, self.routed
+    def forward(self, rows, counts):
+        n = len(self.up)
+        expert = torch.arange(n, device=rows.device).repeat_interleave(counts)  # each row's expert
+        slot = torch.arange(len(rows), device=rows.device) - (counts.cumsum(0) - counts)[expert]  # its place
+        padded = rows.new_zeros(n, int(counts.max()), rows.shape[-1]).index_put((expert, slot), rows)
+        hidden = F.gelu(torch.baddbmm(self.up_bias, padded, self.up))  # every expert at once
+        return torch.baddbmm(self.down_bias, hidden, self.down)[expert, slot]
 
-    def forward(self, x):  # one group of tokens, every expert in this process
+
+class MoE(nn.Module):
+    """A router, E routed experts (dropless unless capacity_factor) and a shared one: a drop-in for Block.mlp.
+
+    Introduced in notebooks/22-expert-parallel.ipynb.
+    """
+
+    def __init__(self, d_model, n_experts, k, hidden, shared_hidden=0, capacity_factor=None, bias_rate=0.0):
+        super().__init__()
+        self.k, self.capacity_factor, self.bias_rate = k, capacity_factor, bias_rate
+        self.router = nn.Linear(d_model, n_experts, bias=False)
+        self.experts = Experts(n_experts, d_model, hidden)
+        self.shared = Experts(1, d_model, shared_hidden) if shared_hidden else None
+        self.register_buffer("bias", torch.zeros(n_experts))  # DeepSeek-V3's; moved by update_bias only
+        self.register_buffer("load", torch.zeros(n_experts))  # rows per expert since the last update_bias
+
+    def forward(self, x):
         tokens = x.reshape(-1, x.shape[-1])
-        weights, routed = self.route(tokens)
-        y = torch.zeros_like(tokens)
-        for e, expert in enumerate(self.experts):
-            t, s = torch.nonzero(routed == e, as_tuple=True)  # the tokens (and slots) expert e keeps
-            y = y.index_add(0, t, weights[t, s, None] * expert(tokens[t]))
+        weights, experts, keep, self.aux_loss = route(self.router(tokens), self.k, self.capacity_factor,
+                                                      self.bias if self.bias_rate else None)
+        self.routed = experts.masked_fill(~keep, -1)  # each (token, slot)'s expert; -1: dropped
+        t, s = torch.nonzero(keep, as_tuple=True)
+        order = torch.argsort(experts[t, s], stable=True)  # by expert
+        t, s = t[order], s[order]
+        counts = torch.bincount(experts[t, s], minlength=len(self.load))
+        self.load += counts
+        y = torch.zeros_like(tokens).index_add(0, t, weights[t, s, None] * self.experts(tokens[t], counts))
+        if self.shared is not None:  # every token, one expert
+            y = y + self.shared(tokens, counts.new_tensor([len(tokens)]))
         return y.view_as(x)
 
 
+@torch.no_grad()
+def update_bias(moe):
+    """DeepSeek-V3's balancing, torchtitan's rule: each expert's bias steps toward the mean load; load reset.
+
+    Introduced in notebooks/22-expert-parallel.ipynb.
+    """
+    step = moe.bias_rate * torch.sign(moe.load.mean() - moe.load)
+    moe.bias += step - step.mean()
+    moe.load.zero_()
+# ---- end of export from notebooks/22-expert-parallel.ipynb ----
+
+
+# ---- exported from notebooks/22b-expert-parallel-fsdp.ipynb: edit it there, then run `make export` ----
 class AllToAll(torch.autograd.Function):
     """Rows to ranks with uneven splits; backward sends each row's gradient back to where the row came from.
 
-    Introduced in notebooks/22-expert-parallel.ipynb.
+    Introduced in notebooks/22b-expert-parallel-fsdp.ipynb.
     """
 
     @staticmethod
@@ -89,75 +135,102 @@ class AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
-def ep_forward(moe, x, group):
-    """The MoE whose moe.experts are this rank's E/W: tokens dispatched to their experts' ranks, combined back.
+class ExpertParallel(nn.Module):
+    """This rank's experts behind two all-to-alls: a drop-in for MoE.experts.
 
-    Introduced in notebooks/22-expert-parallel.ipynb.
+    Introduced in notebooks/22b-expert-parallel-fsdp.ipynb.
     """
-    W, n = dist.get_world_size(group), len(moe.experts)
-    tokens = x.reshape(-1, x.shape[-1])
-    weights, routed = moe.route(tokens)
-    t, s = torch.nonzero(routed >= 0, as_tuple=True)  # the kept (token, slot) assignments
-    order = torch.argsort(routed[t, s], stable=True)  # by expert, so by the expert's rank
-    t, s = t[order], s[order]
-    counts = torch.bincount(routed[t, s], minlength=moe.n_experts)  # rows for each expert, from this rank
-    got = torch.empty_like(counts)
-    dist.all_to_all_single(got, counts, group=group)  # rows for each of my experts, from each rank: (W·n,)
-    send, recv = counts.view(W, n).sum(1).tolist(), got.view(W, n).sum(1).tolist()
-    rows = AllToAll.apply(tokens[t], send, recv, group)  # arrive by sender, then by expert
-    local = torch.arange(n, device=x.device).repeat(W).repeat_interleave(got)  # each arrived row's expert on this rank
-    by_expert = torch.argsort(local, stable=True)
-    chunks = rows[by_expert].split(torch.bincount(local, minlength=n).tolist())
-    out = torch.cat([expert(c) for expert, c in zip(moe.experts, chunks)])[torch.argsort(by_expert)]
-    back = AllToAll.apply(out, recv, send, group)  # each output to its token's rank, in the order it left
-    moe.sent = send, recv
-    return torch.zeros_like(tokens).index_add(0, t, weights[t, s, None] * back).view_as(x)
+
+    def __init__(self, local, n_local, group):
+        super().__init__()
+        self.local, self.n, self.group = local, n_local, group
+
+    def forward(self, rows, counts):  # counts: this rank's rows for each of the E experts
+        W, n = dist.get_world_size(self.group), self.n
+        got = torch.empty_like(counts)
+        dist.all_to_all_single(got, counts, group=self.group)  # rows for each of my experts, from each rank: (W·n,)
+        send, recv = counts.view(W, n).sum(1).tolist(), got.view(W, n).sum(1).tolist()
+        arrived = AllToAll.apply(rows, send, recv, self.group)  # by sender, then by expert
+        expert = torch.arange(n, device=rows.device).repeat(W).repeat_interleave(got)  # each row's local expert
+        order = torch.argsort(expert, stable=True)  # by expert, as Experts wants them
+        out = self.local(arrived[order], torch.bincount(expert, minlength=n))[torch.argsort(order)]
+        self.sent = send, recv
+        return AllToAll.apply(out, recv, send, self.group)  # each output to its token's rank, in the order it left
+
+
+def shard_experts(model, mesh, dp, divide=True):
+    """EP × FSDP: this rank's experts, sharded over "edp"; everything else over dp.
+
+    Introduced in notebooks/22b-expert-parallel-fsdp.ipynb.
+    """
+    ep = mesh["ep"]
+    for block in model.blocks:
+        local = block.mlp.experts
+        n = len(local.up) // ep.size()
+        first = ep.get_local_rank() * n  # this rank's experts: first … first + n − 1
+        for name, p in list(local.named_parameters()):
+            setattr(local, name, nn.Parameter(p.detach()[first:first + n].clone()))
+        fully_shard(local, mesh=mesh["edp"])
+        if divide:
+            local.set_gradient_divide_factor(dp.size())  # the mean over every rank's tokens
+        block.mlp.experts = ExpertParallel(local, n, ep.get_group())
+    fully_shard(model, mesh=dp)  # the rest; the experts, already sharded, are left out
+    return model
 
 
 def rel(a, b):
     """The largest difference, relative to the reference's largest entry (0 where both are zero).
 
-    Introduced in notebooks/22-expert-parallel.ipynb.
+    Introduced in notebooks/22b-expert-parallel-fsdp.ipynb.
     """
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
 
 
-def ep_rank(rank, world_size, make_moe, tokens, ep_size, dtype=torch.float64, alpha=0.01, seed=0):
-    """One process's MoE on every group (the reference), then this rank's experts on a (dp, ep) mesh; the gaps.
+def reference(model, xs, ys, rank, alpha):
+    """One process, every rank's batch: backward of the mean loss; this rank's loss and routes.
 
-    Introduced in notebooks/22-expert-parallel.ipynb.
+    Introduced in notebooks/22b-expert-parallel-fsdp.ipynb.
     """
-    torch.manual_seed(seed)  # the same MoE and the same tokens on every rank
+    device, total = rank_device(), 0
+    for r in range(len(xs)):
+        loss = gpt.gpt_loss(model, xs[r].to(device), ys[r].to(device))
+        loss = loss + alpha * sum(block.mlp.aux_loss for block in model.blocks)
+        total = total + loss / len(xs)
+        if r == rank:
+            mine, routes = loss.detach(), [block.mlp.routed for block in model.blocks]
+    total.backward()
+    return mine, routes
+
+
+def ep_fsdp_rank(rank, world_size, make_model, xs, ys, ep_size, alpha=0.01, seed=0, dtype=torch.float64, **shard):
+    """The reference, then EP × FSDP on an (edp, ep) mesh: the gaps of the loss and every gradient.
+
+    Introduced in notebooks/22b-expert-parallel-fsdp.ipynb.
+    """
+    torch.manual_seed(seed)  # the same model on every rank
     device = rank_device()  # this launch's plan: a GPU of its own, or the CPU
-    moe = make_moe().to(device, dtype)
-    x = torch.randn(world_size, tokens, moe.router.in_features, dtype=dtype).to(device)  # group g: rank g's tokens
-    mesh = init_device_mesh(device.type, (world_size // ep_size, ep_size), mesh_dim_names=("dp", "ep"))
-    n = moe.n_experts // ep_size
-    first = mesh["ep"].get_local_rank() * n  # this rank's experts: first … first + n − 1
-    mine = copy.deepcopy(moe)  # before the reference runs
-    mine.experts = mine.experts[first:first + n]
-    x_ref = x.clone().requires_grad_()
-    ys, routes, loss = [], [], 0
-    for g in range(world_size):  # one process: every group, every expert
-        ys.append(moe(x_ref[g]))
-        routes.append(moe.routed)
-        loss = loss + (ys[-1].square().mean() + alpha * moe.aux_loss) / world_size
-    loss.backward()
-    x_mine = x[rank].clone().requires_grad_()
-    with CommDebugMode() as forward:
-        y = ep_forward(mine, x_mine, mesh["ep"].get_group())
-    with CommDebugMode() as backward:
-        ((y.square().mean() + alpha * mine.aux_loss) / world_size).backward()
-        dist.all_reduce(mine.router.weight.grad)  # every rank's tokens
-        for p in mine.experts.parameters():
-            dist.all_reduce(p.grad, group=mesh["dp"].get_group())  # every dp row's tokens
-    top = moe.router(x[rank]).softmax(-1).topk(moe.k + 1).values  # this rank's ranked probabilities
-    pairs = zip(mine.experts.parameters(), moe.experts[first:first + n].parameters())
-    gaps = {"output": rel(y, ys[rank]), "input grad": rel(x_mine.grad, x_ref.grad[rank]),
-            "router grad": rel(mine.router.weight.grad, moe.router.weight.grad),
-            "expert grads": max(rel(p.grad, q.grad) for p, q in pairs)}
-    calls = [{str(op): c for op, c in mode.get_comm_counts().items()} for mode in (forward, backward)]
-    return {"gaps": gaps, "same routes": torch.equal(mine.routed, routes[rank]),
-            "dropped": int((mine.routed < 0).sum()), "margin": (top[:, :-1] - top[:, 1:]).min().item(),
-            "sent": mine.sent, "calls": calls}
-# ---- end of export from notebooks/22-expert-parallel.ipynb ----
+    model = make_model().to(device, dtype)
+    ref = copy.deepcopy(model)
+    ref_loss, ref_routes = reference(ref, xs, ys, rank, alpha)
+    mesh = init_device_mesh(device.type, (world_size // ep_size, ep_size), mesh_dim_names=("edp", "ep"))
+    dp = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+    shard_experts(model, mesh, dp, **shard)
+    warnings.filterwarnings("ignore", "FSDP2-wrapped module")  # the logits are a view; nothing here edits them in place
+    logits = []  # each router's, in this rank's forward
+    for block in model.blocks:
+        block.mlp.router.register_forward_hook(lambda module, args, out: logits.append(out.detach()))
+    with CommDebugMode() as comms:
+        loss = gpt.gpt_loss(model, xs[rank].to(device), ys[rank].to(device))
+        loss = loss + alpha * sum(block.mlp.aux_loss for block in model.blocks)
+        loss.backward()
+    ranked = [z.softmax(-1).topk(model.blocks[0].mlp.k + 1).values for z in logits]
+    refs, n = dict(ref.named_parameters()), model.blocks[0].mlp.experts.n
+    first = mesh["ep"].get_local_rank() * n
+    gaps = {"loss": rel(loss.detach(), ref_loss)}
+    for name, p in model.named_parameters():
+        want = refs[name.replace(".local.", ".")].grad
+        gaps[name] = rel(p.grad.full_tensor(), want[first:first + n] if ".local." in name else want)
+    return {"gaps": gaps, "same routes": all(torch.equal(b.mlp.routed, r) for b, r in zip(model.blocks, ref_routes)),
+            "margin": min((t[:, :-1] - t[:, 1:]).min().item() for t in ranked),
+            "sent": model.blocks[0].mlp.experts.sent, "calls": {str(k): v for k, v in comms.get_comm_counts().items()}}
+# ---- end of export from notebooks/22b-expert-parallel-fsdp.ipynb ----

@@ -110,5 +110,9 @@ def decode(tokens) -> str:
 
 
 def encode(text: str) -> torch.Tensor:
-    """Text to byte tokens (UTF-8), int64. Introduced in notebooks/08-memory.ipynb."""
+    """Text to byte tokens (UTF-8), int64: decode's inverse.
+
+    08 writes it on its page (``torch.tensor(list(b"The "))``).
+    Machinery behind decode's round-trip test; no notebook calls it directly.
+    """
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)

@@ -116,8 +116,6 @@ KNOWN_OVER_LIMITS: dict[str, set[str]] = {
     "12-visible-devices": {'helpers'},
     "13-torchrun-and-clusters": {'helpers'},
     "18-keras-on-torch": {'code', 'helpers'},
-    "20-gpt-capstone": {'helpers'},
-    "22-expert-parallel": {'function'},
 }
 
 

@@ -50,16 +50,18 @@ class FakeNVML:
         return self.driver
 
 
-# (GPUs, NVML name, GiB, capability, driver's CUDA) -> (world, tp, size, device, dtype, one device's peak)
+# (GPUs, NVML name, GiB, capability, driver's CUDA) -> (world, pp, tp, size, device, dtype, one device's peak)
 MACHINES = {
     "1xH100, CUDA 13 driver": ((1, "NVIDIA H100 80GB HBM3", 79.6, (9, 0), 13000),
-                               (1, 1, "gpu-40g", "cuda", "bfloat16", 989e12)),
+                               (1, 1, 1, "gpu-40g", "cuda", "bfloat16", 989e12)),
     "2xT4": ((2, "Tesla T4", 15.0, (7, 5), 13000),
-             (2, 2, "gpu-16g", "cuda", "float32", 8.1e12)),  # no bf16: float32, FP32's peak, not fp16's 65
+             (2, 1, 2, "gpu-16g", "cuda", "float32", 8.1e12)),  # no bf16: float32, FP32's peak, not fp16's 65
+    "4xL4": ((4, "NVIDIA L4", 22.5, (8, 9), 13000),
+             (4, 2, 2, "gpu-16g", "cuda", "bfloat16", 121e12)),  # pp=2 x dp=1 x tp=2
     "8xH100": ((8, "NVIDIA H100 80GB HBM3", 79.6, (9, 0), 13000),
-               (8, 2, "gpu-40g", "cuda", "bfloat16", 989e12)),  # every GPU, not 4 of them
+               (8, 2, 2, "gpu-40g", "cuda", "bfloat16", 989e12)),  # every GPU: pp=2 x dp=2 x tp=2
     "1xT4, 12.x driver": ((1, "Tesla T4", 15.0, (7, 5), 12040),
-                          (4, 2, "cpu", "cpu", "float32", None)),  # planned off: it sizes nothing
+                          (8, 2, 2, "cpu", "cpu", "float64", None)),  # planned off: the CPU route, 2 x 2 x 2
 }
 
 
@@ -78,7 +80,8 @@ def test_notebook_20_is_sized_from_the_plan(monkeypatch, machine):
     gpus, want = MACHINES[machine]
     mock_machine(monkeypatch, *gpus)
     run = mfu.plan_capstone()
-    assert (run.world, run.tp, run.size, run.device, run.dtype, run.peak) == want, run
+    assert (run.world, run.pp, run.tp, run.size, run.device, run.dtype, run.peak) == want, run
+    assert run.world % (run.pp * run.tp) == 0  # dp = world / (pp * tp) workers
     assert devices.plan(run.world).kind == ("multi-gpu" if run.device == "cuda" else "cpu")  # one GPU per worker
     assert mfu.plan_capstone(smoke=True).size == "smoke" and not torch.cuda.is_initialized()
 

@@ -1,5 +1,7 @@
-"""scripts/train_gpt.py under torchrun (FSDP2 x TP on a 2-D mesh, DCP resumed on another world size), its sizing
-from the device, and helpers.mfu's peaks and arithmetic (notebooks/20-gpt-capstone.ipynb)."""
+"""scripts/train_gpt.py under torchrun: 8 workers as pp=2 x dp=2 x tp=2 (1F1B stages, 17's sequence-parallel plan,
+FSDP2, clipping), periodic async DCP checkpoints, an exact resume on other meshes (AdamW's state loaded bit for bit,
+the losses after it equal in float64), its sizing from the device, and helpers.mfu's peaks and arithmetic
+(notebooks/20-gpt-capstone.ipynb)."""
 
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ import torch
 from helpers import mfu, torchrun
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train_gpt.py"
-TINY = ["--size", "smoke", "--n-layer", "2", "--d-model", "32", "--seq-len", "32", "--batch", "4", "--steps", "6",
-        "--eval-batches", "1", "--dtype", "float64"]
-SAVE_AT = 3
+TINY = ["--size", "smoke", "--n-layer", "2", "--d-model", "32", "--seq-len", "32", "--batch", "8", "--steps", "8",
+        "--eval-batches", "1", "--dtype", "float64", "--micro", "2", "--max-norm", "0.5"]
+SAVE_EVERY, SAVE_AT = 2, 4
 
 
 def _script():
@@ -51,51 +53,73 @@ def _left_over(path) -> list:
     return found
 
 
+def _whole_state(folder: Path) -> dict:
+    """The stages' dumps merged: the whole GPT's weights and AdamW state by parameter name."""
+    parts = [torch.load(f, map_location="cpu") for f in sorted(folder.glob("stage-*.pt"))]
+    return {k: {n: v for p in parts for n, v in p[k].items()} for k in ("model", "optim")}
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """The uninterrupted run: 4 workers, dp=2 x tp=2, float64, a DCP checkpoint after step SAVE_AT."""
-    folder = tmp_path_factory.mktemp("gpt") / "ckpt"
-    events, out = _run(TINY + ["--tp", 2, "--checkpoint-dir", folder, "--save-at", SAVE_AT, "--sample", 8], 4)
+    """The uninterrupted run: 8 workers, pp=2 x dp=2 x tp=2, float64, async DCP checkpoints every SAVE_EVERY steps."""
+    root = tmp_path_factory.mktemp("gpt")
+    events, out = _run(TINY + ["--pp", 2, "--tp", 2, "--checkpoint-dir", root / "ckpt", "--save-every", SAVE_EVERY,
+                               "--async-save", "--dump-state", root / "dump", "--eval-every", 4], 8)
     assert out.returncode == 0, out.text[-3000:]
-    return events, folder
+    return events, root
 
 
-def test_the_script_trains_on_a_2d_mesh_and_ends_its_processes(saved):
-    events, folder = saved
+def test_the_script_trains_on_a_3d_mesh_and_ends_its_processes(saved):
+    events, root = saved
     start = events["start"][0]
-    assert (start["world"], start["dp"], start["tp"], start["dtype"]) == (4, 2, 2, "float64")
+    assert (start["world"], start["pp"], start["dp"], start["tp"], start["dtype"]) == (8, 2, 2, 2, "float64")
     losses = [e["loss"] for e in events["step"]]
-    assert [e["step"] for e in events["step"]] == list(range(1, 7))
+    assert [e["step"] for e in events["step"]] == list(range(1, 9))
     assert losses[-1] < losses[0]  # it learns
-    assert [e["step"] for e in events["sample"]] == [0, 6]
-    assert all(e["text"].startswith("The ") for e in events["sample"])
-    assert sorted(p.name for p in (folder / f"step-{SAVE_AT}").iterdir()) == \
-        [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", "course.json"]
-    assert not _left_over(folder)
+    assert any(e["grad_norm"] > 0.5 for e in events["step"])  # clipping acts
+    assert [(e["step"], e["blocking"]) for e in events["save"]] == [(s, False) for s in (2, 4, 6, 8)]  # async
+    assert [e["step"] for e in events["eval"]] == [0, 4, 8]
+    assert sorted(p.name for p in (root / "ckpt" / f"step-{SAVE_AT}").iterdir()) == \
+        [".metadata"] + [f"__{r}_0.distcp" for r in range(8)] + ["course.json"]
+    final = _whole_state(root / "dump" / "final-8")  # both stages' names: the whole GPT's
+    assert {n.split(".")[0] for n in final["model"]} == {"tok", "pos", "blocks", "norm", "head"}
+    assert not _left_over(root)
 
 
-@pytest.mark.parametrize("tp,threads", [(2, 1), (1, 2)], ids=["dp1xtp2", "dp2xtp1-2threads"])
-def test_a_resume_on_half_the_workers_continues_the_curve(saved, tp, threads):
-    """Saved by dp=2 x tp=2, resumed by 2 workers (another layout, another summation order): the losses after the
-    resume are the uninterrupted run's. float64: ~1e-16 apart by rounding; a wrong slice or a lost AdamW moment
-    moves them by >= 1e-4."""
-    events, folder = saved
-    resumed, out = _run(TINY + ["--tp", tp, "--resume", folder / f"step-{SAVE_AT}", "--stop-at", SAVE_AT + 2], 2,
+@pytest.mark.parametrize("pp,tp,nproc,threads", [(1, 1, 4, 1), (2, 1, 2, 2)],
+                         ids=["pp1xdp4xtp1", "pp2xdp1xtp1-2threads"])
+def test_a_resume_on_another_mesh_is_exact(saved, pp, tp, nproc, threads):
+    """Saved by pp=2 x dp=2 x tp=2, resumed by fewer workers split another way (another summation order): the
+    loaded model and AdamW state equal the saved ones bit for bit, and the 3 losses after the resume are the
+    uninterrupted run's. float64: ~1e-16 apart by rounding; a wrong slice or a lost AdamW moment moves them by
+    >= 1e-4."""
+    events, root = saved
+    dump = root / f"dump-{pp}-{tp}"
+    resumed, out = _run(TINY + ["--pp", pp, "--tp", tp, "--resume", root / "ckpt" / f"step-{SAVE_AT}",
+                                "--stop-at", SAVE_AT + 3, "--dump-state", dump], nproc,
                         env={"OMP_NUM_THREADS": str(threads)})
     assert out.returncode == 0, out.text[-3000:]
-    assert (resumed["start"][0]["dp"], resumed["start"][0]["tp"]) == (2 // tp, tp)
+    first = resumed["start"][0]
+    assert (first["pp"], first["dp"], first["tp"]) == (pp, nproc // (pp * tp), tp)
+    before, after = _whole_state(root / "dump" / f"saved-{SAVE_AT}"), _whole_state(dump / f"loaded-{SAVE_AT}")
+    for part in ("model", "optim"):
+        assert before[part].keys() == after[part].keys()
+        for key, value in before[part].items():
+            same = torch.equal(value, after[part][key]) if torch.is_tensor(value) else value == after[part][key]
+            assert same, key
+    assert sum(k.endswith(("exp_avg", "exp_avg_sq", "step")) for k in before["optim"]) == 3 * len(before["model"])
     main = {e["step"]: e["loss"] for e in events["step"]}
     gaps = [abs(e["loss"] - main[e["step"]]) / main[e["step"]] for e in resumed["step"]]
-    assert [e["step"] for e in resumed["step"]] == [SAVE_AT + 1, SAVE_AT + 2]
-    print(f"dp={2 // tp} x tp={tp}, {threads} thread(s): relative gaps {gaps}")
-    assert max(gaps) < 1e-10, gaps  # float64 throughout (gpt_loss keeps float64 logits in float64)
-    assert not _left_over(folder)
+    assert [e["step"] for e in resumed["step"]] == [SAVE_AT + 1, SAVE_AT + 2, SAVE_AT + 3]
+    print(f"pp={pp} x tp={tp}, {threads} thread(s): relative gaps {gaps}")
+    assert max(gaps) < 1e-10, gaps
+    assert not _left_over(root)
 
 
 def test_a_foreign_checkpoint_is_refused(saved):
-    _, folder = saved
+    _, root = saved
     args = [a if a != "32" else "48" for a in TINY]  # another width and window
-    _, out = _run(args + ["--tp", 1, "--resume", folder / f"step-{SAVE_AT}"], 1)
+    _, out = _run(args + ["--pp", 1, "--tp", 1, "--resume", root / "ckpt" / f"step-{SAVE_AT}"], 1)
     assert out.returncode != 0 and "was written with" in out.text
 
 
@@ -105,8 +129,9 @@ def test_sizes_are_chosen_from_the_device(monkeypatch):
     assert mfu.choose_size("cuda", 79.2) == "gpu-40g" and mfu.choose_size("cuda", 139.8) == "gpu-40g"
     with pytest.raises(ValueError, match="mps"):
         mfu.choose_size("mps")
-    for name, size in mfu.SIZES.items():  # every size splits over tp=2 heads and dp=2 rows
-        assert size["d_model"] % size["n_head"] == 0 and size["n_head"] % 2 == 0 and size["batch"] % 2 == 0, name
+    for name, size in mfu.SIZES.items():  # every size splits over pp=2 stages, tp=2 heads and dp=2 x 2 micro-batches
+        assert size["d_model"] % size["n_head"] == 0 and size["n_head"] % 2 == 0 and size["batch"] % 4 == 0, name
+        assert size["n_layer"] % 2 == 0 and size["seq_len"] % 2 == 0, name
     script = _script()
     args = script.parse_args(["--size", "auto"])
     for memory, want in ((16 * 2**30, "gpu-16g"), (80 * 2**30, "gpu-40g")):  # a mocked GPU of that memory
@@ -120,6 +145,7 @@ def test_sizes_are_chosen_from_the_device(monkeypatch):
     gpu = torch.device("cuda", 0)
     peak, label = script.peak_of(args, gpu, 1, torch.bfloat16)
     assert peak == 989e12 and label == "datasheet dense bf16 x 1"
+    assert script.peak_of(args, torch.device("cpu"), 8, torch.float64) == (None, "not given")
     assert script.peak_of(args, gpu, 4, torch.bfloat16)[0] == 4 * 989e12  # the global batch on 4 GPUs
     # float32 is divided by the peak of what runs: plain FP32 (torch's default), not the bf16 tensor cores' figure
     assert script.peak_of(args, gpu, 1, torch.float32) == (67e12, "datasheet dense fp32 x 1")
