@@ -1,4 +1,5 @@
 """Notebooks 15's and 15b's equivalence checks, rerun with their rounding perturbed (tests/perturb.py).
+(notebooks/15-fsdp.ipynb, notebooks/15b-fsdp-in-production.ipynb)
 
 15, "Same training, checked": every rank builds the GPT from the same seed, ``fully_shard`` per block and at the root
 (``shard`` without options), and trains with the plain step (2 ranks, AdamW); one process trains on the whole global

@@ -1,4 +1,5 @@
 """Notebooks 22 and 22b's equivalence checks, rerun with their rounding perturbed (tests/perturb.py).
+(notebooks/22-expert-parallel.ipynb, notebooks/22b-expert-parallel-fsdp.ipynb)
 
 22, "All experts in one computation": the experts as one padded ``baddbmm`` (``Experts``) against a loop over the
 experts, in float64, < 1e-10 of the output's scale. 22b, "The same numbers, checked": one step of the MoE-GPT under
