@@ -1,19 +1,18 @@
 """A Keras 3 model (torch backend) trained under DistributedDataParallel: what the ranks of notebook 18 run.
 
 Notebook 18 defines the model, the ranks' loop and its probes (the region at the end of this file is written from
-its cells by `make export`); above it is the machinery they use. The model and loop follow the Keras guide "Multi-GPU distributed training with
-PyTorch": a small convnet with BatchNormalization and Dropout, wrapped in
-``torch.nn.parallel.DistributedDataParallel``, fed by a DistributedSampler,
-trained by a plain torch loop. Under the torch backend a Keras model *is* a
-``torch.nn.Module`` whose variables (trainable or not) are ``nn.Parameter``\\s,
+its cells by `make export`); above it is the machinery they use. The model and loop follow the Keras guide
+"Multi-GPU distributed training with PyTorch": a small convnet with BatchNormalization and Dropout, wrapped in
+``torch.nn.parallel.DistributedDataParallel``, fed by a DistributedSampler, trained by a plain torch loop. Under the
+torch backend a Keras model *is* a ``torch.nn.Module`` whose variables (trainable or not) are ``nn.Parameter``\\s,
 which is why DDP can wrap it at all.
 
-Keras picks its backend once, at its first import, from ``KERAS_BACKEND``:
-``keras_torch()`` sets it (unless already set) and checks what Keras chose,
-and this module imports Keras only through it, so importing ``helpers`` never
-fixes the backend behind a learner's back. It also keeps TensorFlow out where it
-is installed (Kaggle, Colab): Keras would import it to seed and to save a model,
-in the notebook and in every rank (``seed_all``; tests/test_keras_ddp.py).
+Keras picks its backend once, at its first import, from ``KERAS_BACKEND``: ``keras_torch()`` sets it (unless already
+set) and checks what Keras chose, and importing this module never imports Keras, so importing ``helpers`` never fixes
+the backend behind a learner's back. The functions notebook 18 writes say ``import keras``: they run where Keras was
+already imported on torch (the notebook's first cell or ``keras_torch()``; forked ranks inherit it). It also keeps
+TensorFlow out where it is installed (Kaggle, Colab): Keras would import it to seed and to save a model, in the
+notebook and in every rank (``seed_all``; tests/test_keras_ddp.py).
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ from .train import full_fp32
 def keras_torch():
     """Import Keras with the torch backend and return it; refuse clearly when another backend is set or loaded.
 
-    Introduced in notebooks/18-keras-on-torch.ipynb.
+    Machinery behind keras_ddp's tests and 18's unit checks; no notebook calls it directly (18 imports keras itself).
     """
     wanted = os.environ.setdefault("KERAS_BACKEND", "torch")
     if wanted != "torch":
@@ -53,11 +52,17 @@ def keras_torch():
     if keras.backend.backend() != "torch":  # imported earlier, before the variable was set
         raise RuntimeError(f"Keras was imported with the {keras.backend.backend()!r} backend before KERAS_BACKEND "
                            "was set; the backend cannot change after the first import: restart the kernel")
+    _keep_tensorflow_out()
+    return keras
+
+
+def _keep_tensorflow_out() -> None:
+    """Saving or loading a model asks ``tf.available``, which imports all of TensorFlow wherever it is installed
+    (serialization_lib.py): answer it "no" unless TensorFlow is already loaded."""
     from keras.src.utils import module_utils
 
-    if "tensorflow" not in sys.modules:  # keep it out: saving a model asks `tf.available`, which imports all of
-        module_utils.tensorflow._available = False  # TensorFlow wherever it is installed (serialization_lib.py)
-    return keras
+    if "tensorflow" not in sys.modules:
+        module_utils.tensorflow._available = False
 
 
 def seed_all(seed: int) -> None:
@@ -82,26 +87,16 @@ def seed_all(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+    _keep_tensorflow_out()  # every process that builds the model (get_model seeds it) may save or load it later
 
 
 def channels_last(dataset: TensorDataset) -> TensorDataset:
     """The same images as (N, 28, 28, 1) for Keras (``helpers.data`` serves torch's (N, 1, 28, 28)).
 
-    Introduced in notebooks/18-keras-on-torch.ipynb.
+    Machinery behind 18's unit checks; no notebook calls it directly (18 writes the permute on its page).
     """
     x, y = dataset.tensors
     return TensorDataset(x.permute(0, 2, 3, 1).contiguous(), y)
-
-
-def weights(model, trainable: bool) -> dict:
-    """A Keras model's float variables by path (``'dense/kernel'``): trainable ones, or the rest.
-
-    With ``trainable=False`` these are BatchNormalization's moving means and
-    variances (the dropout's integer seed state is left out).
-    Introduced in notebooks/18-keras-on-torch.ipynb.
-    """
-    chosen = model.trainable_variables if trainable else model.non_trainable_variables
-    return {v.path: v.value.detach().clone() for v in chosen if v.value.is_floating_point()}
 
 
 def save_atomic(model, path) -> Path:
@@ -166,7 +161,8 @@ def guide_rank(current_gpu_index, num_gpus, dataset, port, results, steps=8, bat
 # ---- exported from notebooks/18-keras-on-torch.ipynb: edit it there, then run `make export` ----
 def get_model(dropout: float = 0.5, seed: int = 0):
     """The Keras guide's convnet; equal seeds give equal weights. Introduced in notebooks/18-keras-on-torch.ipynb."""
-    keras = keras_torch()
+    import keras  # on torch: the first cell imported it after setting KERAS_BACKEND, and ranks fork from it
+
     layers = keras.layers
     seed_all(seed)  # keras.utils.set_random_seed's seeds, without its `import tensorflow`
     inputs = keras.Input(shape=(28, 28, 1))
@@ -186,13 +182,24 @@ def get_model(dropout: float = 0.5, seed: int = 0):
     return keras.Model(inputs, outputs)
 
 
+def weights(model, trainable: bool) -> dict:
+    """The model's float variables by path (``'dense/kernel'``) as torch tensors: the trainable ones, or the rest
+    (BatchNormalization's moving statistics; the Dropout's integer seed state left out).
+
+    Introduced in notebooks/18-keras-on-torch.ipynb.
+    """
+    chosen = model.trainable_variables if trainable else model.non_trainable_variables
+    return {v.path: v.value.detach().clone() for v in chosen if v.value.is_floating_point()}
+
+
 def keras_steps(rank, world_size, dataset, steps, batch_size, lr, *, training=True, dropout=0.5, seed=0,
                 epochs=1, use_ddp=True, save_to=None, device=None, optimizer="adam"):
     """The guide's model and torch loop under DDP. Introduced in notebooks/18-keras-on-torch.ipynb."""
     check_sizes(dataset, world_size, batch_size, steps, lr, epochs)
     if not use_ddp and world_size != 1:
         raise ValueError(f"use_ddp=False needs world_size=1, not {world_size}")
-    keras = keras_torch()
+    import keras
+
     device = torch.device(device) if device is not None else rank_device()
     with full_fp32(), keras.device(str(device)):  # Keras's own default device would be "cuda" wherever one exists
         model = get_model(dropout, seed).to(device)
@@ -221,10 +228,10 @@ def keras_steps(rank, world_size, dataset, steps, batch_size, lr, *, training=Tr
 
 def broadcast_probe(rank, world_size, dataset, batch_size, *, seed=0):
     """Moving mean and bias after DDP(...) and after a step. Introduced in notebooks/18-keras-on-torch.ipynb."""
-    check_sizes(dataset, world_size, batch_size, 1, 1.0)
-    keras = keras_torch()
+    import keras
+
     device = rank_device()
-    with full_fp32(), keras.device(str(device)):
+    with keras.device(str(device)):
         model = get_model(0.0, seed).to(device)
         by_path = {v.path: v for v in model.variables}
         moving, bias = by_path["bn1/moving_mean"], by_path["logits/bias"]
@@ -243,9 +250,10 @@ def broadcast_probe(rank, world_size, dataset, batch_size, *, seed=0):
 def fit_rank(rank, world_size, dataset, steps, batch_size, lr, *, seed=0):
     """Keras's model.fit in a DDP rank. Introduced in notebooks/18-keras-on-torch.ipynb."""
     check_sizes(dataset, world_size, batch_size, steps, lr)
-    keras = keras_torch()
+    import keras
+
     device = rank_device()
-    with full_fp32(), keras.device(str(device)):
+    with keras.device(str(device)):
         model = get_model(0.0, seed).to(device)
         ddp_model = DDP(model, device_ids=[device] if device.type == "cuda" else None)
         model.compile(optimizer=keras.optimizers.SGD(lr),

@@ -25,7 +25,6 @@ from torchvision.transforms import v2
 from . import Stopped, data
 from .bench import alternating
 from .checks import positive_int
-from .train import sync
 
 
 def _raw_split(split: str, root=None) -> tuple[np.ndarray, np.ndarray]:
@@ -212,6 +211,7 @@ def forward_step(model, device="cpu"):
         x = x.to(device, non_blocking=True)  # asynchronous from pinned memory
         with torch.inference_mode():
             model(x)
-        sync(device)  # the step ends when the device is done, or its work would count as the next wait
+        if torch.device(device).type == "cuda":  # CUDA calls return before the GPU is done: wait for it, or
+            torch.cuda.synchronize(device)  # its work would count as the next batch's wait
     return step
 # ---- end of export from notebooks/11-data-loading.ipynb ----

@@ -142,7 +142,7 @@ def run_script(mask: str, command: list[str], timeout: float = 120.0, check: boo
     """Run ``command`` (e.g. ``[sys.executable, "job.py"]``) with ``mask``; return its output; raise if it fails.
 
     ``check=False`` skips the mask check, to see what CUDA does with a bad one.
-    Introduced in notebooks/12-visible-devices.ipynb.
+    Machinery behind start_script (the same, waited for, its output captured); no notebook calls it directly.
     """
     proc = start_script(mask, command, check=check, env=env)
     try:
@@ -166,7 +166,7 @@ def run_function(mask: str, fn, *args, timeout: float = 120.0, check: bool = Tru
 
     Fork, so a function defined in the notebook works; the child sets the
     mask (and ``env``) before any CUDA call, which is why CUDA must not be initialised here.
-    Introduced in notebooks/12-visible-devices.ipynb.
+    Machinery behind 12's run_under (plus check_mask, captured output, a named error); no notebook calls it directly.
     """
     if check:
         check_mask(mask)

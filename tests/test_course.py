@@ -112,10 +112,6 @@ def test_code_an_earlier_page_wrote_is_not_the_course_s_machinery(tmp_path):
 # its notebook meets the rule (the test fails while a listed rule passes). `make audit` prints every column.
 KNOWN_OVER_LIMITS: dict[str, set[str]] = {
     "10-pipelines": {'helpers'},  # its timing sweep and panel: 17 against 15 torch calls
-    "11-data-loading": {'helpers'},
-    "12-visible-devices": {'helpers'},
-    "13-torchrun-and-clusters": {'helpers'},
-    "18-keras-on-torch": {'code', 'helpers'},
 }
 
 

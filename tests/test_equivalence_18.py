@@ -27,6 +27,7 @@ def check_one_step(threads, ulps, training=None, ref_lr=LR):
     from helpers.launch import launch
     from helpers.models import max_param_diff
 
+    keras = K.keras_torch()  # before the launches: the ranks' functions `import keras` as this process chose it
     train_set, _ = data.get_datasets("fashion", smoke=True)
     keras_train = K.channels_last(train_set)
     quiet = dict(quiet=True, progress=False)
@@ -34,7 +35,6 @@ def check_one_step(threads, ulps, training=None, ref_lr=LR):
     two = launch(perturbed(mode, threads, 0), 2, keras_train, 1, BATCH, LR, **quiet)
     one = launch(perturbed(functools.partial(mode, use_ddp=False), threads, ulps), 1, keras_train, 1, 2 * BATCH,
                  ref_lr, **quiet)[0]
-    keras = K.keras_torch()
     with keras.device("cpu"):
         start = K.weights(K.get_model(0.0), True)
     return {"diff": max_param_diff(two[0]["params"], one["params"]), "step": max_param_diff(one["params"], start),

@@ -123,12 +123,14 @@ def test_keras_imports_tensorflow_to_seed_and_to_save_where_it_is_installed(tmp_
         assert "tensorflow was imported" in out.stderr, (call, out.stdout + out.stderr)
 
 
-def test_the_course_builds_trains_saves_and_loads_without_importing_tensorflow(tmp_path):
+@pytest.mark.parametrize("prelude", ["keras = K.keras_torch()\n",  # the tests' way
+                                     "import os\nos.environ['KERAS_BACKEND'] = 'torch'\nimport keras\n"])  # 18's
+def test_the_course_builds_trains_saves_and_loads_without_importing_tensorflow(tmp_path, prelude):
     stub = _stub_tensorflow(tmp_path)
     code = ("import sys, torch\n"
             "from torch.utils.data import TensorDataset\n"
             "from helpers import keras_ddp as K\n"
-            "keras = K.keras_torch()\n"
+            + prelude +
             "data = TensorDataset(torch.randn(64, 28, 28, 1), torch.randint(0, 10, (64,)))\n"
             "out = K.keras_steps(0, 1, data, 1, 32, 0.01, use_ddp=False, save_to=sys.argv[1], device='cpu')\n"
             "keras.models.load_model(sys.argv[1])\n"
