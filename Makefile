@@ -53,7 +53,7 @@ test-oldest:
 	$(MAKE) unit notebooks VENV=.venv-oldest CONSTRAINTS=constraints-oldest.txt UNIT_ARGS='-m "not perturbed"'
 
 # JupyterLab in headless chromium: Run All in the notebooks with a panel, then the panels clicked. BROWSER_NOTEBOOKS=all
-# runs every notebook there (the screenshots of a learner's read), or names them: BROWSER_NOTEBOOKS=04,10.
+# runs every notebook there (the screenshots of a learner's read), or names them: BROWSER_NOTEBOOKS=04,11.
 BROWSER_RAN := $(CURDIR)/.pytest_cache/ran-in-browser.tsv
 browser: $(STAMP)
 	rm -f $(BROWSER_RAN) && mkdir -p $(dir $(BROWSER_RAN))

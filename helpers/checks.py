@@ -9,7 +9,7 @@ import numbers
 def positive_int(name: str, value, minimum: int = 1) -> int:
     """``value`` if it is a whole number >= ``minimum`` (a bool or 3.0 is refused), else a clear error.
 
-    Introduced in notebooks/09-model-parallel.ipynb.
+    Introduced in notebooks/10-model-parallel.ipynb.
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be a whole number, got {value!r}")

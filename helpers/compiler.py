@@ -12,7 +12,7 @@ On a GPU Inductor writes Triton kernels instead, and Triton builds a small C lau
 ``gcc``, else ``clang``) and the running Python's ``Python.h`` (``sysconfig``'s include folder, which Debian ships in
 ``python3-dev``). ``pick_backend("cuda")`` checks those three and names what to install.
 
-Introduced in notebooks/19-torch-compile.ipynb.
+Introduced in notebooks/20-torch-compile.ipynb.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ NO_CXX_FIX = (
 def _default_cxx() -> str:
     """The command inductor tries when $CXX is unset: clang++ on macOS, g++ elsewhere (cl on Windows).
 
-    Introduced in notebooks/19-torch-compile.ipynb.
+    Introduced in notebooks/20-torch-compile.ipynb.
     """
     if sys.platform == "win32":
         return "cl"
@@ -47,7 +47,7 @@ def _default_cxx() -> str:
 def _find_cxx() -> tuple[str, str] | None:
     """(command, first line of its ``--version``) of the compiler inductor would use, or None where it has none.
 
-    Introduced in notebooks/19-torch-compile.ipynb.
+    Introduced in notebooks/20-torch-compile.ipynb.
     """
     command = os.environ.get("CXX", _default_cxx())  # as inductor's config reads it: an empty CXX finds nothing
     argv = [command] if sys.platform == "win32" else shlex.split(command)  # "ccache g++" is two words
@@ -99,7 +99,7 @@ def pick_backend(device_type: str = "cpu") -> tuple[str, str]:
 
     On the CPU Inductor needs a C++ compiler; on a GPU ("cuda") Triton, a C compiler and the headers of the
     running Python (Python.h). The fix names the package that is missing.
-    Introduced in notebooks/19-torch-compile.ipynb.
+    Introduced in notebooks/20-torch-compile.ipynb.
     """
     if device_type == "cuda":
         include = _python_include()

@@ -146,7 +146,7 @@ def load_split(
     """Images as normalised float32 (N, 1, 28, 28) and labels as int64 (N,).
 
     ``limit`` keeps the first N examples (smoke mode uses this).
-    Introduced in notebooks/11-data-loading.ipynb.
+    Introduced in notebooks/12-data-loading.ipynb.
     """
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")

@@ -3,7 +3,7 @@
 The functions are written in notebooks/04-ddp.ipynb, where a learner reads and changes them; the region
 below is exported from there (``make export``). Later notebooks, ``scripts/`` and the tests import them from
 here. Above the region: machinery only (the argument checks, the clock around the timed steps, the drawing of a
-profiled step for notebooks/04b-ddp-internals.ipynb).
+profiled step for notebooks/07-ddp-internals.ipynb).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def plot_step_timeline(timelines: dict, title: str = "bucket_cap_mb={}: {} bucke
     ``timelines`` maps a label (a ``bucket_cap_mb``) to every rank's spans ``(lane, start_ms, end_ms)``, lanes
     named as in ``STEP_COLORS``; a ``"call"`` span (a rank asking for an all-reduce) counts a bucket and is not
     drawn. Returns the figure.
-    Introduced in notebooks/04b-ddp-internals.ipynb.
+    Introduced in notebooks/07-ddp-internals.ipynb.
     """
     import matplotlib.pyplot as plt
 

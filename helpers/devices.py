@@ -89,7 +89,7 @@ NO_COUNT = (
     "NVML cannot count the GPUs here ({why}), and asking CUDA instead would start it in this process, after which "
     "no forked rank can use a GPU; so ranks run on the CPU. To train on the GPUs, name them by index in "
     "CUDA_VISIBLE_DEVICES (e.g. 0,1) when NVML is installed, or run the training as a script with torchrun "
-    "(notebook 13)."
+    "(notebook 14)."
 )
 
 
@@ -246,7 +246,7 @@ def kernel_check(capabilities: list | None = None, archs: list[str] | None = Non
     return (f"torch {torch.__version__} holds GPU code for {' '.join(archs)} only, none of which runs on {gpus}: "
             "every rank there would fail with 'no kernel image is available for execution on the device'. Fix: "
             f"{_build_for(major * 10 + minor)}, then restart the kernel; or show the ranks only GPUs this torch can run, "
-            "with CUDA_VISIBLE_DEVICES (notebook 12).")
+            "with CUDA_VISIBLE_DEVICES (notebook 13).")
 
 
 def _capabilities(n: int) -> list[tuple[int, int] | None]:
@@ -396,7 +396,7 @@ def has_bf16(device) -> bool:
     starts CUDA in the notebook). A bf16 ConvNet runs there, but slowly: torch skips cuDNN for bf16 convolutions
     below compute capability 8.0 (``ConvParams::use_cudnn``, aten/src/ATen/native/Convolution.cpp) and runs its own
     kernels. Those GPUs train faster in fp16 with a GradScaler. An unreadable capability counts as no bf16.
-    Introduced in notebooks/07-large-batch.ipynb.
+    Introduced in notebooks/08-large-batch.ipynb.
     """
     device = torch.device(device)
     if device.type == "cpu":
@@ -532,7 +532,7 @@ def plan_launch(world_size: int, n_gpus: int | None = None) -> Plan:
     the CPU, and its sentence says why. Each launch of a notebook is planned on its own, so on 2 GPUs a launch of 2
     ranks uses both GPUs and a launch of 4 runs on the CPU. Pass it to ``launch(..., plan=devices.plan_launch)``.
     ``n_gpus`` overrides the usable count (for tests and "what if" questions).
-    Introduced in notebooks/15-fsdp.ipynb.
+    Introduced in notebooks/16-fsdp.ipynb.
     """
     n, problem = _usable() if n_gpus is None else (positive_int("n_gpus", n_gpus, minimum=0), None)
     if isinstance(world_size, int) and not isinstance(world_size, bool) and 1 <= world_size <= n:

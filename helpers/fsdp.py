@@ -1,9 +1,9 @@
-"""FSDP2's production recipe as notebook 15b teaches it, for the notebooks, scripts and tests that shard the GPT.
+"""FSDP2's production recipe as notebook 17 teaches it, for the notebooks, scripts and tests that shard the GPT.
 
-The lesson is written in notebooks/15-fsdp.ipynb (``fully_shard`` per block and at the root) and
-notebooks/15b-fsdp-in-production.ipynb, whose ``shard`` is exported below: called without options it makes notebook
-15's calls; its options add a ``MixedPrecisionPolicy``, per-block activation checkpointing and explicit prefetching.
-Notebook 16 shards the GPT it checkpoints with it, and the tests rerun 15's and 15b's checks with it.
+The lesson is written in notebooks/16-fsdp.ipynb (``fully_shard`` per block and at the root) and
+notebooks/17-fsdp-in-production.ipynb, whose ``shard`` is exported below: called without options it makes notebook
+16's calls; its options add a ``MixedPrecisionPolicy``, per-block activation checkpointing and explicit prefetching.
+Notebook 18 shards the GPT it checkpoints with it, and the tests rerun 16's and 17's checks with it.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 
-# ---- exported from notebooks/15b-fsdp-in-production.ipynb: edit it there, then run `make export` ----
+# ---- exported from notebooks/17-fsdp-in-production.ipynb: edit it there, then run `make export` ----
 def shard(model, mesh, *, reshard_after_forward=None, param_dtype=None, checkpointing=False, prefetch=False):
     """fully_shard each block, then the root; optionally checkpoint blocks, compute in param_dtype, prefetch.
 
     param_dtype: gather and compute in it, reduce gradients in float32.
-    Introduced in notebooks/15b-fsdp-in-production.ipynb.
+    Introduced in notebooks/17-fsdp-in-production.ipynb.
     """
     low = dict(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else {}
     for block in model.blocks:
@@ -34,4 +34,4 @@ def shard(model, mesh, *, reshard_after_forward=None, param_dtype=None, checkpoi
             before.set_modules_to_forward_prefetch([after])
             after.set_modules_to_backward_prefetch([before])
     return model
-# ---- end of export from notebooks/15b-fsdp-in-production.ipynb ----
+# ---- end of export from notebooks/17-fsdp-in-production.ipynb ----

@@ -1,7 +1,7 @@
-"""The course's GPT: a small decoder-only transformer, written in notebooks/08-memory.ipynb and exported here.
+"""The course's GPT: a small decoder-only transformer, written in notebooks/09-memory.ipynb and exported here.
 
-From notebook 08 on, the course's model is this GPT (15 FSDP2, 17 tensor parallelism, the capstone, context and
-expert parallelism). Its layout is torchtitan's Llama with shorter names: separate ``q``, ``k``, ``v`` and ``o``
+From notebook 09 on, the course's model is this GPT (pipelines 10-11, FSDP2 16-18, tensor parallelism 19, compile
+20, the capstone 21-22, context and expert parallelism 23-25). Its layout is torchtitan's Llama with shorter names: separate ``q``, ``k``, ``v`` and ``o``
 projections (torchtitan's ``wq`` ... ``wo``; tensor parallelism shards heads by splitting q/k/v by columns and o by
 rows), a pre-norm ``Block`` of attention and an MLP of ``up`` and ``down`` (``w1``, ``w2``; torchtitan's SwiGLU adds
 ``w3``), a final norm and an untied ``head`` (``output``). nanoGPT instead fuses q, k, v into one ``c_attn`` and ties
@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
-# ---- exported from notebooks/08-memory.ipynb: edit it there, then run `make export` ----
+# ---- exported from notebooks/09-memory.ipynb: edit it there, then run `make export` ----
 @dataclass
 class GPTConfig:
     vocab_size: int = 256  # bytes
@@ -36,7 +36,7 @@ class GPTConfig:
 
 
 class Attention(nn.Module):
-    """Causal self-attention, heads through F.scaled_dot_product_attention. Introduced in notebooks/08-memory.ipynb."""
+    """Causal self-attention, heads through F.scaled_dot_product_attention. Introduced in notebooks/09-memory.ipynb."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -53,7 +53,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """d → 4·d, GELU, → d. Introduced in notebooks/08-memory.ipynb."""
+    """d → 4·d, GELU, → d. Introduced in notebooks/09-memory.ipynb."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -65,7 +65,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm1(x)), then + mlp(norm2(x)). Introduced in notebooks/08-memory.ipynb."""
+    """Pre-norm transformer block: x + attn(norm1(x)), then + mlp(norm2(x)). Introduced in notebooks/09-memory.ipynb."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -80,7 +80,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Token and position embeddings, n_layer blocks, a final norm and an untied head.
 
-    Introduced in notebooks/08-memory.ipynb.
+    Introduced in notebooks/09-memory.ipynb.
     """
 
     def __init__(self, cfg: GPTConfig):
@@ -106,7 +106,7 @@ class GPT(nn.Module):
     def forward(self, idx, positions=None):  # token ids (B, T) → logits (B, T, vocab)
         # positions: each token's place in the whole sequence (a rank holding part of it passes its own, 21)
         positions = torch.arange(idx.shape[1], device=idx.device) if positions is None else positions
-        # A pipeline stage (09, 10) drops what it does not hold: without `tok` it takes activations, without `head`
+        # A pipeline stage (10, 11) drops what it does not hold: without `tok` it takes activations, without `head`
         x = self.tok(idx) + self.pos(positions) if self.tok is not None else idx  # it returns them
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False) if self.checkpointing else block(x)
@@ -114,20 +114,20 @@ class GPT(nn.Module):
 
 
 def gpt_loss(model, x, y):
-    """Mean cross-entropy of the next byte over every position. Introduced in notebooks/08-memory.ipynb."""
+    """Mean cross-entropy of the next byte over every position. Introduced in notebooks/09-memory.ipynb."""
     logits = model(x).flatten(0, 1)
     return F.cross_entropy(logits.float() if logits.dtype.itemsize < 4 else logits, y.flatten())  # 16 bits: in 32
 
 
 def matmul_params(model: GPT) -> int:
-    """Parameters that multiply: every Linear's weight. Introduced in notebooks/08-memory.ipynb."""
+    """Parameters that multiply: every Linear's weight. Introduced in notebooks/09-memory.ipynb."""
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
 
 
 def train_flops_per_token(cfg: GPTConfig, T: int, n_matmul: int, *, fused_attention: bool = True) -> int:
     """Forward + backward FLOPs a token at context T, as FlopCounterMode counts them.
 
-    Introduced in notebooks/08-memory.ipynb.
+    Introduced in notebooks/09-memory.ipynb.
     """
     # 6 a multiplying parameter: 2 forward, 4 backward. Attention: products of 2·T·d FLOPs a token and layer,
     # counted whole (the half the causal mask skips too): QKᵀ and PV forward; dP, dV, dQ, dK backward. A fused
@@ -137,12 +137,12 @@ def train_flops_per_token(cfg: GPTConfig, T: int, n_matmul: int, *, fused_attent
     # (fused_attention=False, SDPBackend.MATH) saves P and recomputes nothing: 6 products.
     products = 7 if fused_attention else 6
     return 6 * n_matmul + 2 * products * cfg.n_layer * T * cfg.d_model
-# ---- end of export from notebooks/08-memory.ipynb ----
+# ---- end of export from notebooks/09-memory.ipynb ----
 
 
 @torch.no_grad()
 def generate(model, prompt, new_tokens: int, temperature: float = 0.8, generator=None):
-    """Sample ``new_tokens`` bytes after ``prompt`` (1-D ids). Introduced in notebooks/08-memory.ipynb."""
+    """Sample ``new_tokens`` bytes after ``prompt`` (1-D ids). Introduced in notebooks/09-memory.ipynb."""
     idx = prompt[None].to(next(model.parameters()).device)
     for _ in range(new_tokens):
         logits = model(idx[:, -model.cfg.seq_len:])[:, -1].float() / temperature

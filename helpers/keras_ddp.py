@@ -1,6 +1,6 @@
-"""A Keras 3 model (torch backend) trained under DistributedDataParallel: what the ranks of notebook 18 run.
+"""A Keras 3 model (torch backend) trained under DistributedDataParallel: what the ranks of notebook 26 run.
 
-Notebook 18 defines the model, the ranks' loop and its probes (the region at the end of this file is written from
+Notebook 26 defines the model, the ranks' loop and its probes (the region at the end of this file is written from
 its cells by `make export`); above it is the machinery they use. The model and loop follow the Keras guide
 "Multi-GPU distributed training with PyTorch": a small convnet with BatchNormalization and Dropout, wrapped in
 ``torch.nn.parallel.DistributedDataParallel``, fed by a DistributedSampler, trained by a plain torch loop. Under the
@@ -9,7 +9,7 @@ which is why DDP can wrap it at all.
 
 Keras picks its backend once, at its first import, from ``KERAS_BACKEND``: ``keras_torch()`` sets it (unless already
 set) and checks what Keras chose, and importing this module never imports Keras, so importing ``helpers`` never fixes
-the backend behind a learner's back. The functions notebook 18 writes say ``import keras``: they run where Keras was
+the backend behind a learner's back. The functions notebook 26 writes say ``import keras``: they run where Keras was
 already imported on torch (the notebook's first cell or ``keras_torch()``; forked ranks inherit it). It also keeps
 TensorFlow out where it is installed (Kaggle, Colab): Keras would import it to seed and to save a model, in the
 notebook and in every rank (``seed_all``; tests/test_keras_ddp.py).
@@ -41,7 +41,7 @@ from .train import full_fp32
 def keras_torch():
     """Import Keras with the torch backend and return it; refuse clearly when another backend is set or loaded.
 
-    Machinery behind keras_ddp's tests and 18's unit checks; no notebook calls it directly (18 imports keras itself).
+    Machinery behind keras_ddp's tests and 26's unit checks; no notebook calls it directly (26 imports keras itself).
     """
     wanted = os.environ.setdefault("KERAS_BACKEND", "torch")
     if wanted != "torch":
@@ -73,7 +73,7 @@ def seed_all(seed: int) -> None:
     torch backend never reads. This sets the rest: Python's ``random`` (Keras draws each layer's initializer and
     Dropout seed from it), NumPy's and torch's generators, and Keras's global seed, whose ``SeedGenerator`` is dropped
     so that Keras rebuilds it from the new seed, as ``set_random_seed`` does.
-    Introduced in notebooks/18-keras-on-torch.ipynb.
+    Introduced in notebooks/26-keras-on-torch.ipynb.
     """
     import numpy as np
     from keras.src.backend.common import global_state
@@ -93,7 +93,7 @@ def seed_all(seed: int) -> None:
 def channels_last(dataset: TensorDataset) -> TensorDataset:
     """The same images as (N, 28, 28, 1) for Keras (``helpers.data`` serves torch's (N, 1, 28, 28)).
 
-    Machinery behind 18's unit checks; no notebook calls it directly (18 writes the permute on its page).
+    Machinery behind 26's unit checks; no notebook calls it directly (26 writes the permute on its page).
     """
     x, y = dataset.tensors
     return TensorDataset(x.permute(0, 2, 3, 1).contiguous(), y)
@@ -102,7 +102,7 @@ def channels_last(dataset: TensorDataset) -> TensorDataset:
 def save_atomic(model, path) -> Path:
     """Save a Keras model to ``path`` (``.keras``) through a temporary file and a rename, so no reader sees half a file.
 
-    Introduced in notebooks/18-keras-on-torch.ipynb.
+    Introduced in notebooks/26-keras-on-torch.ipynb.
     """
     path = Path(path)
     if path.suffix != ".keras":
@@ -121,7 +121,7 @@ def check_sizes(dataset, world_size: int, batch_size: int, steps: int, lr: float
     """Refuse counts and rates that cannot work, by name, before a rank builds anything.
 
     ``steps`` steps of ``world_size`` x ``batch_size`` samples must fit in one epoch of ``dataset``.
-    Introduced in notebooks/18-keras-on-torch.ipynb.
+    Introduced in notebooks/26-keras-on-torch.ipynb.
     """
     positive_int("epochs", epochs)
     positive_int("steps", steps)
@@ -136,7 +136,7 @@ def guide_rank(current_gpu_index, num_gpus, dataset, port, results, steps=8, bat
                hang_rank=None):
     """The guide's ``per_device_launch_fn``; ``fail_rank`` raises, ``hang_rank`` sleeps an hour.
 
-    Introduced in notebooks/18-keras-on-torch.ipynb.
+    Introduced in notebooks/26-keras-on-torch.ipynb.
     """
     torch.set_num_threads(1)  # a rank forked after the notebook used torch's thread pool hangs with more
     os.environ["MASTER_ADDR"] = "localhost"
@@ -158,9 +158,9 @@ def guide_rank(current_gpu_index, num_gpus, dataset, port, results, steps=8, bat
     sys.stdout.flush()
 
 
-# ---- exported from notebooks/18-keras-on-torch.ipynb: edit it there, then run `make export` ----
+# ---- exported from notebooks/26-keras-on-torch.ipynb: edit it there, then run `make export` ----
 def get_model(dropout: float = 0.5, seed: int = 0):
-    """The Keras guide's convnet; equal seeds give equal weights. Introduced in notebooks/18-keras-on-torch.ipynb."""
+    """The Keras guide's convnet; equal seeds give equal weights. Introduced in notebooks/26-keras-on-torch.ipynb."""
     import keras  # on torch: the first cell imported it after setting KERAS_BACKEND, and ranks fork from it
 
     layers = keras.layers
@@ -186,7 +186,7 @@ def weights(model, trainable: bool) -> dict:
     """The model's float variables by path (``'dense/kernel'``) as torch tensors: the trainable ones, or the rest
     (BatchNormalization's moving statistics; the Dropout's integer seed state left out).
 
-    Introduced in notebooks/18-keras-on-torch.ipynb.
+    Introduced in notebooks/26-keras-on-torch.ipynb.
     """
     chosen = model.trainable_variables if trainable else model.non_trainable_variables
     return {v.path: v.value.detach().clone() for v in chosen if v.value.is_floating_point()}
@@ -194,7 +194,7 @@ def weights(model, trainable: bool) -> dict:
 
 def keras_steps(rank, world_size, dataset, steps, batch_size, lr, *, training=True, dropout=0.5, seed=0,
                 epochs=1, use_ddp=True, save_to=None, device=None, optimizer="adam"):
-    """The guide's model and torch loop under DDP. Introduced in notebooks/18-keras-on-torch.ipynb."""
+    """The guide's model and torch loop under DDP. Introduced in notebooks/26-keras-on-torch.ipynb."""
     check_sizes(dataset, world_size, batch_size, steps, lr, epochs)
     if not use_ddp and world_size != 1:
         raise ValueError(f"use_ddp=False needs world_size=1, not {world_size}")
@@ -227,7 +227,7 @@ def keras_steps(rank, world_size, dataset, steps, batch_size, lr, *, training=Tr
 
 
 def broadcast_probe(rank, world_size, dataset, batch_size, *, seed=0):
-    """Moving mean and bias after DDP(...) and after a step. Introduced in notebooks/18-keras-on-torch.ipynb."""
+    """Moving mean and bias after DDP(...) and after a step. Introduced in notebooks/26-keras-on-torch.ipynb."""
     import keras
 
     device = rank_device()
@@ -248,7 +248,7 @@ def broadcast_probe(rank, world_size, dataset, batch_size, *, seed=0):
 
 
 def fit_rank(rank, world_size, dataset, steps, batch_size, lr, *, seed=0):
-    """Keras's model.fit in a DDP rank. Introduced in notebooks/18-keras-on-torch.ipynb."""
+    """Keras's model.fit in a DDP rank. Introduced in notebooks/26-keras-on-torch.ipynb."""
     check_sizes(dataset, world_size, batch_size, steps, lr)
     import keras
 
@@ -264,4 +264,4 @@ def fit_rank(rank, world_size, dataset, steps, batch_size, lr, *, seed=0):
         x, y = (t[idx].numpy() for t in dataset.tensors)
         model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
         return {"params": weights(model, True), "has_fit": hasattr(ddp_model, "fit")}
-# ---- end of export from notebooks/18-keras-on-torch.ipynb ----
+# ---- end of export from notebooks/26-keras-on-torch.ipynb ----

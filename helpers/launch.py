@@ -64,7 +64,7 @@ class LaunchResult(list):
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now.
 
-    Introduced in notebooks/13-torchrun-and-clusters.ipynb.
+    Introduced in notebooks/14-torchrun-and-clusters.ipynb.
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -6,7 +6,7 @@ in Python, on the CPU. That work is what DataLoader workers parallelise.
 ``measure`` times one loader: samples/s, and per step the time spent waiting
 for the next batch against the time spent computing on it; ``sweep`` repeats
 that over settings. The DataLoaders themselves, the DDP rank with workers and
-the timed step are written in notebooks/11-data-loading.ipynb; the step
+the timed step are written in notebooks/12-data-loading.ipynb; the step
 (``forward_step``, at the end) is exported from there (``make export``).
 """
 
@@ -40,7 +40,7 @@ def _raw_split(split: str, root=None) -> tuple[np.ndarray, np.ndarray]:
 def augmentation(size: int = 28) -> v2.Compose:
     """Random resized crop and flip on the PIL image, then tensor, float and normalise (transforms v2).
 
-    Introduced in notebooks/11-data-loading.ipynb.
+    Introduced in notebooks/12-data-loading.ipynb.
     """
     mean, std = data.NORMALIZE["fashion"]
     return v2.Compose([v2.RandomResizedCrop(size, scale=(0.6, 1.0), antialias=True), v2.RandomHorizontalFlip(),
@@ -51,7 +51,7 @@ class AugmentedFashion(Dataset):
     """Fashion-MNIST items made per request: uint8 array → PIL image → transforms v2 → normalised tensor.
 
     ``images``/``labels`` (uint8 (N, H, W) and int) replace the files, for tests.
-    Introduced in notebooks/11-data-loading.ipynb.
+    Introduced in notebooks/12-data-loading.ipynb.
     """
 
     def __init__(self, split: str = "train", limit: int | None = None, root=None, images=None, labels=None,
@@ -107,7 +107,7 @@ def measure(loader, step=None, epochs: int = 1, max_batches: int | None = None, 
     (once with persistent workers, every epoch without), as waiting: ``wait_s``
     holds starting, resuming and shutting down workers as well as ``next()``. ``stop`` (a
     threading.Event) ends the pass between batches with ``helpers.Stopped``.
-    Introduced in notebooks/11-data-loading.ipynb.
+    Introduced in notebooks/12-data-loading.ipynb.
     """
     positive_int("epochs", epochs)
     samples = steps = 0
@@ -148,7 +148,7 @@ def sweep(make_loader, settings: list[dict], step=None, repeats: int = 3, warmup
     machine from favouring whichever setting runs first. Returns one dict per
     setting: the settings, ``median``, ``low`` and ``high`` samples/s,
     ``wait_fraction`` and ``first_batch_s`` (medians) and every run.
-    Introduced in notebooks/11-data-loading.ipynb.
+    Introduced in notebooks/12-data-loading.ipynb.
     """
     positive_int("repeats", repeats)
     runs: list[list[LoaderRun]] = [[] for _ in settings]
@@ -173,7 +173,7 @@ def sweep(make_loader, settings: list[dict], step=None, repeats: int = 3, warmup
 def best(results: list[dict]) -> dict:
     """The fastest setting by median samples/s.
 
-    Introduced in notebooks/11-data-loading.ipynb.
+    Introduced in notebooks/12-data-loading.ipynb.
     """
     if not results:
         raise ValueError("no results to choose from")
@@ -184,7 +184,7 @@ def best(results: list[dict]) -> dict:
 def table(rows: list[dict]) -> None:
     """Print dicts as an aligned table: the keys as its header, one row per dict, large floats without decimals.
 
-    Introduced in notebooks/11-data-loading.ipynb.
+    Introduced in notebooks/12-data-loading.ipynb.
     """
     keys = list(dict.fromkeys(k for r in rows for k in r))
 
@@ -199,11 +199,11 @@ def table(rows: list[dict]) -> None:
         print("  ".join(v.rjust(w) for v, w in zip(line, widths)))
 
 
-# ---- exported from notebooks/11-data-loading.ipynb: edit it there, then run `make export` ----
+# ---- exported from notebooks/12-data-loading.ipynb: edit it there, then run `make export` ----
 def forward_step(model, device="cpu"):
     """A step that copies the batch to ``device`` and runs ``model`` forward, without autograd.
 
-    Introduced in notebooks/11-data-loading.ipynb.
+    Introduced in notebooks/12-data-loading.ipynb.
     """
     model = model.to(device).eval()
 
@@ -214,4 +214,4 @@ def forward_step(model, device="cpu"):
         if torch.device(device).type == "cuda":  # CUDA calls return before the GPU is done: wait for it, or
             torch.cuda.synchronize(device)  # its work would count as the next batch's wait
     return step
-# ---- end of export from notebooks/11-data-loading.ipynb ----
+# ---- end of export from notebooks/12-data-loading.ipynb ----

@@ -26,7 +26,7 @@ def per_rank_bytes(n_params: int, world_size: int, *, optimizer: str = "momentum
     Returns ``{stage: {"params", "grads", "optimizer", "total"}}``; a sharded part
     is divided by ``world_size`` (rounded up, as a rank holds whole elements).
     Activations are left out: they depend on the batch, not on the sharding.
-    Introduced in notebooks/15-fsdp.ipynb.
+    Introduced in notebooks/16-fsdp.ipynb.
     """
     positive_int("n_params", n_params)
     w = positive_int("world_size", world_size)
@@ -53,7 +53,7 @@ def comm_bytes_per_step(n_params: int, world_size: int, *, param_bytes: int = 4,
     each, 2 under a 16-bit ``param_dtype``) for the forward, again for the backward
     when every unit resharded after the forward, and reduce-scatters the gradients
     (``grad_bytes`` each: 4 under ``reduce_dtype=torch.float32``). Returns ``{"DDP": ..., "FSDP": ..., "FSDP/DDP": ...}``.
-    Introduced in notebooks/15-fsdp.ipynb.
+    Introduced in notebooks/16-fsdp.ipynb.
     """
     positive_int("n_params", n_params)
     w = positive_int("world_size", world_size)
@@ -69,7 +69,7 @@ def transformer_params(d_model: int, layers: int, vocab: int = 32_000) -> int:
 
     Biases and norms are left out (under 0.1 % at these sizes); the output layer
     shares the embedding's weights, as in GPT-2.
-    Introduced in notebooks/15-fsdp.ipynb.
+    Introduced in notebooks/16-fsdp.ipynb.
     """
     positive_int("d_model", d_model)
     positive_int("layers", layers)
@@ -92,7 +92,7 @@ def state_bytes(model: nn.Module, optimizer=None) -> dict:
     Gradients not yet created (or set to None) count 0; the optimizer's tensors
     are those in ``optimizer.state`` (momentum buffers, Adam's moments; scalar
     step counters included).
-    Introduced in notebooks/08-memory.ipynb.
+    Introduced in notebooks/09-memory.ipynb.
     """
     params = list(model.parameters())
     opt = 0
@@ -108,7 +108,7 @@ def cuda_peak(step, device) -> int | None:
     """The most the CUDA caching allocator held during one call of ``step()`` on ``device``, whatever was resident
     before included (``reset_peak_memory_stats``, then ``max_memory_allocated``); None on any other device.
 
-    08's launched rank reads it for a plain and a checkpointed step. Introduced in notebooks/08-memory.ipynb.
+    09's launched rank reads it for a plain and a checkpointed step. Introduced in notebooks/09-memory.ipynb.
     """
     device = torch.device(device)
     if device.type != "cuda":

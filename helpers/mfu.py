@@ -8,7 +8,7 @@ FP32 figure, because torch leaves TF32 off for float32 matmuls unless asked (the
 CPU has no datasheet figure the course can rely on, so its peak is *measured*: the median rate of a large float32
 matmul on all its cores, labelled as such.
 
-Introduced in notebooks/20b-gpt-capstone-run.ipynb (and scripts/train_gpt.py).
+Introduced in notebooks/22-gpt-capstone-run.ipynb (and scripts/train_gpt.py).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def datasheet_peak(gpu_name: str, precision: str = "bf16") -> tuple[float, str, 
     A model matches when its words are whole words of the name, in order: "NVIDIA A100-SXM4-40GB" is an A100,
     "NVIDIA RTX A1000" is not, nor is "NVIDIA T400" a T4. ``precision`` is the datasheet row the run's matmuls use
     (``matmul_precision``): "bf16", "fp16", "tf32" or "fp32".
-    Introduced in notebooks/20b-gpt-capstone-run.ipynb.
+    Introduced in notebooks/22-gpt-capstone-run.ipynb.
     """
     words = _words(gpu_name)
     for model, tflops, source in DATASHEET_TFLOPS:
@@ -126,7 +126,7 @@ class MatmulRate:
 def cpu_matmul_rate(n: int = 2048, repeats: int = 7, dtype=torch.float32, threads: int | None = None) -> MatmulRate:
     """The CPU's measured peak: median FLOP/s of an n x n matmul (2n³ FLOPs) on all usable cores, after a warm-up.
 
-    Introduced in notebooks/20b-gpt-capstone-run.ipynb.
+    Introduced in notebooks/22-gpt-capstone-run.ipynb.
     """
     threads = threads or len(os.sched_getaffinity(0))
     before = torch.get_num_threads()
@@ -147,7 +147,7 @@ def cpu_matmul_rate(n: int = 2048, repeats: int = 7, dtype=torch.float32, thread
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:
     """Model FLOPs utilisation: tokens/s x FLOPs per token (the model's count) over the peak FLOP/s.
 
-    Machinery behind scripts/train_gpt.py's per-step MFU (20b computes the same ratio in a cell);
+    Machinery behind scripts/train_gpt.py's per-step MFU (22 computes the same ratio in a cell);
     no notebook calls it directly.
     """
     if tokens_per_s < 0 or flops_per_token <= 0 or peak_flops <= 0:
@@ -185,7 +185,7 @@ def choose_size(device_type: str, memory_gib: float | None = None, smoke: bool =
 
 @dataclass(frozen=True)
 class CapstoneRun:
-    """What notebook 20 trains on this machine: workers, mesh, size, dtype, and the peak its MFU divides by."""
+    """What notebook 21 trains on this machine: workers, mesh, size, dtype, and the peak its MFU divides by."""
 
     world: int                # torchrun's workers: one per usable GPU (a power of two, at most 8), or 8 on the CPU
     pp: int                   # pipeline stages
@@ -207,14 +207,14 @@ def mesh_shape(world: int) -> tuple[int, int]:
 
 
 def plan_capstone(smoke: bool = False, max_gpus: int = 8) -> CapstoneRun:
-    """Size notebook 20's run from the GPUs that ``devices.plan`` would use, not NVML's raw list.
+    """Size notebook 21's run from the GPUs that ``devices.plan`` would use, not NVML's raw list.
 
     GPUs that a driver or kernel check rules out (``devices.gpu_count()`` is 0 then) size nothing: the run is the
     CPU's, 8 workers as pp=2 x dp=2 x tp=2 in float64 (4, dp=1, in smoke mode). Otherwise every usable GPU trains,
     up to ``max_gpus``, rounded down to a power of two so that the batch, the layers and the heads split evenly
     (``mesh_shape``); the peak is the datasheet's for the precision the script's matmuls will run in
     (``matmul_precision`` of its ``--dtype``: bf16 where the GPU has BF16, else float32).
-    Introduced in notebooks/20b-gpt-capstone-run.ipynb.
+    Introduced in notebooks/22-gpt-capstone-run.ipynb.
     """
     usable = min(devices.gpu_count(), max_gpus)
     if usable == 0:  # smoke: 4 workers (pp=2 x dp=1 x tp=2) start faster than 8

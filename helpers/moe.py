@@ -1,5 +1,5 @@
-"""A mixture-of-experts MLP for the course's GPT (notebooks/22-expert-parallel.ipynb) and expert parallelism with
-FSDP (notebooks/22b-expert-parallel-fsdp.ipynb), exported here (tests/test_moe.py, tests/test_equivalence_22.py).
+"""A mixture-of-experts MLP for the course's GPT (notebooks/24-mixture-of-experts.ipynb) and expert parallelism with
+FSDP (notebooks/25-expert-parallel.ipynb), exported here (tests/test_moe.py, tests/test_equivalence_24.py).
 
 ``route`` is the router's decision (top-k, renormalised weights, the optional capacity cut, DeepSeek-V3's bias for the
 choice, Switch's load-balancing loss); ``Experts`` runs E stacked MLPs as one padded batched matmul; ``MoE`` is a
@@ -27,11 +27,11 @@ from helpers import gpt
 from helpers._rank import rank_device
 
 
-# ---- exported from notebooks/22-expert-parallel.ipynb: edit it there, then run `make export` ----
+# ---- exported from notebooks/24-mixture-of-experts.ipynb: edit it there, then run `make export` ----
 def route(logits, k, capacity_factor=None, bias=None):
     """Top-k experts per token, their renormalised weights, what capacity keeps (all: dropless), Switch's loss.
 
-    Introduced in notebooks/22-expert-parallel.ipynb.
+    Introduced in notebooks/24-mixture-of-experts.ipynb.
     """
     T, E = logits.shape
     probs = logits.softmax(-1)
@@ -51,7 +51,7 @@ def route(logits, k, capacity_factor=None, bias=None):
 class Experts(nn.Module):
     """E MLPs (d → h, GELU, → d) with stacked weights, run as one padded batched matmul on rows sorted by expert.
 
-    Introduced in notebooks/22-expert-parallel.ipynb.
+    Introduced in notebooks/24-mixture-of-experts.ipynb.
     """
 
     def __init__(self, n_experts, d_model, hidden):
@@ -73,7 +73,7 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """A router, E routed experts (dropless unless capacity_factor) and a shared one: a drop-in for Block.mlp.
 
-    Introduced in notebooks/22-expert-parallel.ipynb.
+    Introduced in notebooks/24-mixture-of-experts.ipynb.
     """
 
     def __init__(self, d_model, n_experts, k, hidden, shared_hidden=0, capacity_factor=None, bias_rate=0.0):
@@ -105,19 +105,19 @@ class MoE(nn.Module):
 def update_bias(moe):
     """DeepSeek-V3's balancing, torchtitan's rule: each expert's bias steps toward the mean load; load reset.
 
-    Introduced in notebooks/22-expert-parallel.ipynb.
+    Introduced in notebooks/24-mixture-of-experts.ipynb.
     """
     step = moe.bias_rate * torch.sign(moe.load.mean() - moe.load)
     moe.bias += step - step.mean()
     moe.load.zero_()
-# ---- end of export from notebooks/22-expert-parallel.ipynb ----
+# ---- end of export from notebooks/24-mixture-of-experts.ipynb ----
 
 
-# ---- exported from notebooks/22b-expert-parallel-fsdp.ipynb: edit it there, then run `make export` ----
+# ---- exported from notebooks/25-expert-parallel.ipynb: edit it there, then run `make export` ----
 class AllToAll(torch.autograd.Function):
     """Rows to ranks with uneven splits; backward sends each row's gradient back to where the row came from.
 
-    Introduced in notebooks/22b-expert-parallel-fsdp.ipynb.
+    Introduced in notebooks/25-expert-parallel.ipynb.
     """
 
     @staticmethod
@@ -138,7 +138,7 @@ class AllToAll(torch.autograd.Function):
 class ExpertParallel(nn.Module):
     """This rank's experts behind two all-to-alls: a drop-in for MoE.experts.
 
-    Introduced in notebooks/22b-expert-parallel-fsdp.ipynb.
+    Introduced in notebooks/25-expert-parallel.ipynb.
     """
 
     def __init__(self, local, n_local, group):
@@ -161,7 +161,7 @@ class ExpertParallel(nn.Module):
 def shard_experts(model, mesh, dp, divide=True):
     """EP × FSDP: this rank's experts, sharded over "edp"; everything else over dp.
 
-    Introduced in notebooks/22b-expert-parallel-fsdp.ipynb.
+    Introduced in notebooks/25-expert-parallel.ipynb.
     """
     ep = mesh["ep"]
     for block in model.blocks:
@@ -181,7 +181,7 @@ def shard_experts(model, mesh, dp, divide=True):
 def rel(a, b):
     """The largest difference, relative to the reference's largest entry (0 where both are zero).
 
-    Introduced in notebooks/22b-expert-parallel-fsdp.ipynb.
+    Introduced in notebooks/25-expert-parallel.ipynb.
     """
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
 
@@ -189,7 +189,7 @@ def rel(a, b):
 def reference(model, xs, ys, rank, alpha):
     """One process, every rank's batch: backward of the mean loss; this rank's loss and routes.
 
-    Introduced in notebooks/22b-expert-parallel-fsdp.ipynb.
+    Introduced in notebooks/25-expert-parallel.ipynb.
     """
     device, total = rank_device(), 0
     for r in range(len(xs)):
@@ -205,7 +205,7 @@ def reference(model, xs, ys, rank, alpha):
 def ep_fsdp_rank(rank, world_size, make_model, xs, ys, ep_size, alpha=0.01, seed=0, dtype=torch.float64, **shard):
     """The reference, then EP × FSDP on an (edp, ep) mesh: the gaps of the loss and every gradient.
 
-    Introduced in notebooks/22b-expert-parallel-fsdp.ipynb.
+    Introduced in notebooks/25-expert-parallel.ipynb.
     """
     torch.manual_seed(seed)  # the same model on every rank
     device = rank_device()  # this launch's plan: a GPU of its own, or the CPU
@@ -233,4 +233,4 @@ def ep_fsdp_rank(rank, world_size, make_model, xs, ys, ep_size, alpha=0.01, seed
     return {"gaps": gaps, "same routes": all(torch.equal(b.mlp.routed, r) for b, r in zip(model.blocks, ref_routes)),
             "margin": min((t[:, :-1] - t[:, 1:]).min().item() for t in ranked),
             "sent": model.blocks[0].mlp.experts.sent, "calls": {str(k): v for k, v in comms.get_comm_counts().items()}}
-# ---- end of export from notebooks/22b-expert-parallel-fsdp.ipynb ----
+# ---- end of export from notebooks/25-expert-parallel.ipynb ----

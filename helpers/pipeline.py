@@ -1,8 +1,8 @@
-"""What pipeline ranks run: the code of notebooks 09 and 10, exported from their cells (edit it there).
+"""What pipeline ranks run: the code of notebooks 10 and 11, exported from their cells (edit it there).
 
-09 writes the micro-batch schedule out by hand on the GPT cut in two (``pipeline_step``) and the launched children
+10 writes the micro-batch schedule out by hand on the GPT cut in two (``pipeline_step``) and the launched children
 that check it; 10 runs the GPT's stages one or two a rank with ``torch.distributed.pipelining`` (``cut``,
-``pp_train``). Below the regions: ``hybrid_steps``, DDP over two-stage GPTs, the solution of 10's exercise 4: a
+``pp_train``). Below the regions: ``hybrid_steps``, DDP over two-stage GPTs, the solution of 11's exercise 4: a
 solution cell is the learner's and is not exported, so this is a copy, which tests/test_pipeline.py keeps equal to
 the cell (the NCCL binding tests and the perturbed checks run it).
 """
@@ -26,15 +26,15 @@ from .schedules import KINDS, programs
 from .stages import TwoStage, gpt_stage, lm_loss
 
 
-# ---- exported from notebooks/09-model-parallel.ipynb: edit it there, then run `make export` ----
+# ---- exported from notebooks/10-model-parallel.ipynb: edit it there, then run `make export` ----
 def split_pair(model, split, devices, dtype=torch.float32):
-    """A copy of the GPT on the first stage's device, and a TwoStage copy. Introduced in notebooks/09-model-parallel.ipynb."""
+    """A copy of the GPT on the first stage's device, and a TwoStage copy. Introduced in notebooks/10-model-parallel.ipynb."""
     ref = copy.deepcopy(model).to(devices[0], dtype)
     return ref, TwoStage(ref, split, devices)  # the stages are copies: ref keeps its own weights
 
 
 def check_split(rank, world_size, gpt, x, y, *, split=2, devices=("cpu", "cpu"), dtype=torch.float32):
-    """Split vs unsplit in dtype, and stage bytes in float32. Introduced in notebooks/09-model-parallel.ipynb."""
+    """Split vs unsplit in dtype, and stage bytes in float32. Introduced in notebooks/10-model-parallel.ipynb."""
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 runs compare full float32 on a GPU too
     ref, two = split_pair(gpt, split, devices, dtype)
     out_ref, out = ref(x.to(devices[0])), two(x)
@@ -53,7 +53,7 @@ def check_split(rank, world_size, gpt, x, y, *, split=2, devices=("cpu", "cpu"),
 
 
 def stage_bytes(two, x):
-    """Per stage: parameters, bytes autograd saves for backward, bytes sent on. Introduced in notebooks/09-model-parallel.ipynb."""
+    """Per stage: parameters, bytes autograd saves for backward, bytes sent on. Introduced in notebooks/10-model-parallel.ipynb."""
     rows, h, saved = [], x, {}  # saved: storage → bytes (a tensor saved twice counts once)
 
     def pack(t):
@@ -71,7 +71,7 @@ def stage_bytes(two, x):
 
 
 def pipeline_step(model, x, y, n_micro, kind="gpipe", loss_fn=lm_loss):
-    """Forward and backward of a TwoStage in micro-batches. Introduced in notebooks/09-model-parallel.ipynb."""
+    """Forward and backward of a TwoStage in micro-batches. Introduced in notebooks/10-model-parallel.ipynb."""
     if not 1 <= n_micro <= len(x):
         raise ValueError(f"n_micro must be from 1 to the batch size {len(x)}, got {n_micro}")
     d0, d1 = model.devices
@@ -97,7 +97,7 @@ def pipeline_step(model, x, y, n_micro, kind="gpipe", loss_fn=lm_loss):
 
 def check_schedules(rank, world_size, gpt, x, y, *, split=2, micro_counts=(1, 2, 4), lr=0.1, devices=("cpu", "cpu"),
                     dtype=torch.float32):
-    """{(kind, M): gradient vs unsplit}, and a training step's weights. Introduced in notebooks/09-model-parallel.ipynb."""
+    """{(kind, M): gradient vs unsplit}, and a training step's weights. Introduced in notebooks/10-model-parallel.ipynb."""
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 runs compare full float32 on a GPU too
     ref, model = split_pair(gpt, split, devices, dtype)
     lm_loss(ref(x.to(devices[0])), y.to(devices[0])).backward()
@@ -115,17 +115,17 @@ def check_schedules(rank, world_size, gpt, x, y, *, split=2, micro_counts=(1, 2,
     opt.step()
     step_diff = max((ref.get_parameter(k).detach().cpu() - w).abs().max().item() for k, w in model.gpt_state().items())
     return {"diffs": diffs, "step_diff": step_diff}
-# ---- end of export from notebooks/09-model-parallel.ipynb ----
+# ---- end of export from notebooks/10-model-parallel.ipynb ----
 
 
-# ---- exported from notebooks/10-pipelines.ipynb: edit it there, then run `make export` ----
+# ---- exported from notebooks/11-pipelines.ipynb: edit it there, then run `make export` ----
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,  # one stage a rank
              "interleaved": ScheduleInterleaved1F1B, "zero-bubble": ScheduleInterleavedZeroBubble,  # two, looped
              "zbv": ScheduleZBVZeroBubble}  # two a rank, in a V
 
 
 def cut(model, rank, world_size, schedule, split=None):
-    """(number of stages, {stage index: this rank's stage}) of the GPT. Introduced in notebooks/10-pipelines.ipynb."""
+    """(number of stages, {stage index: this rank's stage}) of the GPT. Introduced in notebooks/11-pipelines.ipynb."""
     L = len(model.blocks)
     n = world_size if schedule in ("gpipe", "1f1b") else 2 * world_size
     bounds = [0, split, L] if split is not None else [L * s // n for s in range(n + 1)]  # blocks per stage
@@ -134,14 +134,14 @@ def cut(model, rank, world_size, schedule, split=None):
 
 
 def make_schedule(parts, n, device, schedule, n_micro, **kwargs):
-    """This rank's stages, each a PipelineStage, driven by one schedule. Introduced in notebooks/10-pipelines.ipynb."""
+    """This rank's stages, each a PipelineStage, driven by one schedule. Introduced in notebooks/11-pipelines.ipynb."""
     held = [PipelineStage(part, s, n, device) for s, part in parts.items()]
     return SCHEDULES[schedule](held if len(held) > 1 else held[0], n_micro, loss_fn=lm_loss, **kwargs)
 
 
 def pp_train(rank, world_size, cfg, batches, lr, *, schedule="gpipe", n_micro=4, split=None, seed=0,
              dtype=torch.float64, scale_grads=True, devices=None):
-    """Pipelined SGD steps on the GPT; this rank's parameters. Introduced in notebooks/10-pipelines.ipynb."""
+    """Pipelined SGD steps on the GPT; this rank's parameters. Introduced in notebooks/11-pipelines.ipynb."""
     device = devices[rank] if devices else torch.device("cpu")  # the plan's: a GPU per rank (NCCL), else the CPU
     torch.manual_seed(seed)  # every rank builds the same whole GPT, then keeps its stages
     n, parts = cut(GPT(cfg).to(device, dtype), rank, world_size, schedule, split)
@@ -154,12 +154,12 @@ def pp_train(rank, world_size, cfg, batches, lr, *, schedule="gpipe", n_micro=4,
         pipe.step(*inputs, **targets)
         opt.step()
     return {k: p.detach().cpu() for part in parts.values() for k, p in part.named_parameters()}
-# ---- end of export from notebooks/10-pipelines.ipynb ----
+# ---- end of export from notebooks/11-pipelines.ipynb ----
 
 
-# A copy of notebooks/10-pipelines.ipynb's solution to exercise 4 (tests/test_pipeline.py keeps it equal to the cell)
+# A copy of notebooks/11-pipelines.ipynb's solution to exercise 4 (tests/test_pipeline.py keeps it equal to the cell)
 def hybrid_steps(rank, world_size, dataset, steps, batch_size, lr, *, cfg=None, split=2, seed=0, dtype=torch.float32):
-    """DDP over two-stage GPTs (launch with init=False). Introduced in notebooks/10-pipelines.ipynb."""
+    """DDP over two-stage GPTs (launch with init=False). Introduced in notebooks/11-pipelines.ipynb."""
     plan = stages.plan_hybrid(world_size, 2)
     devices = plan.devices[rank]  # this rank's two stage devices
     if devices[0].type == "cuda":

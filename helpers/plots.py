@@ -78,9 +78,9 @@ def plot_bars(values: dict[str, float], ylabel: str, title: str = "", ax=None, s
 
 def plot_curves(curves: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str,
                 title: str = "", ax=None):
-    """One line per named series of (x, y) points: the runs a panel compares, or 07's race to a test accuracy.
+    """One line per named series of (x, y) points: the runs a panel compares, or 08's race to a test accuracy.
 
-    Introduced in notebooks/07-large-batch.ipynb.
+    Introduced in notebooks/08-large-batch.ipynb.
     """
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3.2))

@@ -127,7 +127,7 @@ def _start_cuda(device) -> str | None:
 def alive(pids) -> list[int]:
     """The pids among ``pids`` that still run (a zombie, dead but not yet reaped, counts as gone).
 
-    Introduced in notebooks/11-data-loading.ipynb.
+    Introduced in notebooks/12-data-loading.ipynb.
     """
     out = []
     for pid in pids:

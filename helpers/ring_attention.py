@@ -5,7 +5,7 @@ with the log-sum-exp rule; the backward recomputes each block's softmax from the
 The sequence is cut into 2·W chunks, two per rank: contiguous, or zig-zag (chunks i and 2W-1-i), which balances the
 causal mask's work. The ring runs in every block of the course's GPT (RingSelfAttention), trained with tokens,
 labels and positions split over the CP ranks (cp_step, train_rank); ring_forward_overlapped posts each hand-off
-before the step's compute. Written in notebooks/21-context-parallel.ipynb and exported here (``make export``); the
+before the step's compute. Written in notebooks/23-context-parallel.ipynb and exported here (``make export``); the
 tests import it from here. Below the export: the notebook's timing instruments (time_rings, time_exchange).
 """
 
@@ -25,27 +25,27 @@ from helpers.launch import rank_device
 from helpers.train import sync
 
 
-# ---- exported from notebooks/21-context-parallel.ipynb: edit it there, then run `make export` ----
+# ---- exported from notebooks/23-context-parallel.ipynb: edit it there, then run `make export` ----
 def chunks_of(rank, world_size, zigzag):
-    """The two of 2·world_size sequence chunks that ``rank`` holds. Introduced in notebooks/21-context-parallel.ipynb."""
+    """The two of 2·world_size sequence chunks that ``rank`` holds. Introduced in notebooks/23-context-parallel.ipynb."""
     return [rank, 2 * world_size - 1 - rank] if zigzag else [2 * rank, 2 * rank + 1]
 
 
 def positions(rank, world_size, T, zigzag):
-    """The token positions ``rank`` holds, in order. Introduced in notebooks/21-context-parallel.ipynb."""
+    """The token positions ``rank`` holds, in order. Introduced in notebooks/23-context-parallel.ipynb."""
     c = T // (2 * world_size)
     return torch.cat([torch.arange(i * c, (i + 1) * c) for i in chunks_of(rank, world_size, zigzag)])
 
 
 def blocks(rank, source, world_size, zigzag):
-    """(query half, key half, diagonal) of each causal score block. Introduced in notebooks/21-context-parallel.ipynb."""
+    """(query half, key half, diagonal) of each causal score block. Introduced in notebooks/23-context-parallel.ipynb."""
     theirs = chunks_of(source, world_size, zigzag)
     return [(a, b, i == j) for a, i in enumerate(chunks_of(rank, world_size, zigzag))
             for b, j in enumerate(theirs) if j <= i]  # j > i: every key after every query, skipped
 
 
 def scores(q, k, diagonal):
-    """Scaled scores q·kᵀ, the future masked on a diagonal block. Introduced in notebooks/21-context-parallel.ipynb."""
+    """Scaled scores q·kᵀ, the future masked on a diagonal block. Introduced in notebooks/23-context-parallel.ipynb."""
     s = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
     if diagonal:
         future = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
@@ -54,13 +54,13 @@ def scores(q, k, diagonal):
 
 
 def merge(out, lse, block_out, block_lse):
-    """Fold one block's attention into the running one. Introduced in notebooks/21-context-parallel.ipynb."""
+    """Fold one block's attention into the running one. Introduced in notebooks/23-context-parallel.ipynb."""
     new = torch.logaddexp(lse, block_lse)
     return torch.exp(lse - new) * out + torch.exp(block_lse - new) * block_out, new
 
 
 def post(t, group=None):
-    """Start sending ``t`` right and receiving the left's: (incoming, requests). Introduced in notebooks/21-context-parallel.ipynb."""
+    """Start sending ``t`` right and receiving the left's: (incoming, requests). Introduced in notebooks/23-context-parallel.ipynb."""
     W, r = dist.get_world_size(group), dist.get_rank(group)
     incoming = torch.empty_like(t)
     ops = [dist.P2POp(dist.isend, t, group=group, group_peer=(r + 1) % W),
@@ -69,7 +69,7 @@ def post(t, group=None):
 
 
 def exchange(t, group=None):
-    """Send ``t`` right, receive the left's, wait. Introduced in notebooks/21-context-parallel.ipynb."""
+    """Send ``t`` right, receive the left's, wait. Introduced in notebooks/23-context-parallel.ipynb."""
     incoming, requests = post(t, group)
     for request in requests:
         request.wait()
@@ -77,7 +77,7 @@ def exchange(t, group=None):
 
 
 def fold(q, kv, out, lse, rank, source, world_size, zigzag):
-    """Fold the score blocks of ``source``'s K/V into (out, lse). Introduced in notebooks/21-context-parallel.ipynb."""
+    """Fold the score blocks of ``source``'s K/V into (out, lse). Introduced in notebooks/23-context-parallel.ipynb."""
     for a, b, diagonal in blocks(rank, source, world_size, zigzag):
         s = scores(q.chunk(2, 2)[a], kv[0].chunk(2, 2)[b], diagonal)
         block_lse = s.logsumexp(-1, keepdim=True)
@@ -86,7 +86,7 @@ def fold(q, kv, out, lse, rank, source, world_size, zigzag):
 
 
 def ring_forward(q, k, v, zigzag, group=None):
-    """Causal attention of this rank's queries over every rank's K/V: (out, lse). Introduced in notebooks/21-context-parallel.ipynb."""
+    """Causal attention of this rank's queries over every rank's K/V: (out, lse). Introduced in notebooks/23-context-parallel.ipynb."""
     W, r = dist.get_world_size(group), dist.get_rank(group)
     out, lse, kv = [None, None], [None, None], torch.stack([k, v])
     for step in range(W):
@@ -97,7 +97,7 @@ def ring_forward(q, k, v, zigzag, group=None):
 
 
 def ring_backward(q, k, v, out, lse, dout, zigzag, group=None):
-    """(dq, dk, dv) of ring_forward, K/V and dK/dV passed around the ring. Introduced in notebooks/21-context-parallel.ipynb."""
+    """(dq, dk, dv) of ring_forward, K/V and dK/dV passed around the ring. Introduced in notebooks/23-context-parallel.ipynb."""
     W, r = dist.get_world_size(group), dist.get_rank(group)
     D = (dout * out).sum(-1, keepdim=True)
     dq, kv, dkv = torch.zeros_like(q), torch.stack([k, v]), torch.zeros(2, *k.shape, dtype=k.dtype, device=k.device)
@@ -116,7 +116,7 @@ def ring_backward(q, k, v, out, lse, dout, zigzag, group=None):
 
 
 class RingAttention(torch.autograd.Function):
-    """Ring attention as an autograd op. Introduced in notebooks/21-context-parallel.ipynb."""
+    """Ring attention as an autograd op. Introduced in notebooks/23-context-parallel.ipynb."""
 
     @staticmethod
     def forward(ctx, q, k, v, zigzag, group=None):
@@ -131,7 +131,7 @@ class RingAttention(torch.autograd.Function):
 
 
 class RingSelfAttention(nn.Module):
-    """The GPT's Attention, RingAttention in place of SDPA. Introduced in notebooks/21-context-parallel.ipynb."""
+    """The GPT's Attention, RingAttention in place of SDPA. Introduced in notebooks/23-context-parallel.ipynb."""
 
     def __init__(self, attn, group):
         super().__init__()
@@ -145,7 +145,7 @@ class RingSelfAttention(nn.Module):
 
 
 def cp_step(model, optimizer, x, y, pos, n_tokens):
-    """One AdamW step on this rank's tokens; returns its share of the loss. Introduced in notebooks/21-context-parallel.ipynb."""
+    """One AdamW step on this rank's tokens; returns its share of the loss. Introduced in notebooks/23-context-parallel.ipynb."""
     logits = model(x, positions=pos)  # pos: these tokens' places in the whole sequence
     loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum") / n_tokens  # a share of the mean
     loss.backward()
@@ -157,7 +157,7 @@ def cp_step(model, optimizer, x, y, pos, n_tokens):
 
 
 def train_rank(rank, world_size, x, y, steps, dp=1, ring=True, dtype=torch.float64, seed=0):
-    """The GPT trained CP (× dp): (losses, parameters). Introduced in notebooks/21-context-parallel.ipynb."""
+    """The GPT trained CP (× dp): (losses, parameters). Introduced in notebooks/23-context-parallel.ipynb."""
     device = rank_device()  # this launch's plan: a GPU of its own, or the CPU
     mesh = init_device_mesh(device.type, (dp, world_size // dp), mesh_dim_names=("dp", "cp"))
     cp, batch, T = mesh["cp"], x.shape[0] // dp, x.shape[1]
@@ -174,7 +174,7 @@ def train_rank(rank, world_size, x, y, steps, dp=1, ring=True, dtype=torch.float
 
 
 def ring_forward_overlapped(q, k, v, zigzag, group=None):
-    """ring_forward with each hand-off posted before the step's compute. Introduced in notebooks/21-context-parallel.ipynb."""
+    """ring_forward with each hand-off posted before the step's compute. Introduced in notebooks/23-context-parallel.ipynb."""
     W, r = dist.get_world_size(group), dist.get_rank(group)
     out, lse, kv = [None, None], [None, None], torch.stack([k, v])
     for step in range(W):
@@ -186,7 +186,7 @@ def ring_forward_overlapped(q, k, v, zigzag, group=None):
                 request.wait()
             kv = incoming
     return torch.cat(out, 2), torch.cat(lse, 2)
-# ---- end of export from notebooks/21-context-parallel.ipynb ----
+# ---- end of export from notebooks/23-context-parallel.ipynb ----
 
 
 def time_rings(rank, world_size, T, cfg, rings, repeats, zigzag=True, sizes=()):
@@ -196,7 +196,7 @@ def time_rings(rank, world_size, T, cfg, rings, repeats, zigzag=True, sizes=()):
     added. Random float32 q, k, v of a (1, heads, T, head_dim) sequence, this rank's positions; the rings alternate
     within a repeat, the first repeat warms up. CPU s is this thread's time (the rank's own work, whichever core ran
     it); on a GPU both clocks read the synchronised wall. ``sizes``: bytes of lone hand-offs (exchange) to time as
-    notebook 03 does, fastest of 20, for the α–β fit. Introduced in notebooks/21-context-parallel.ipynb.
+    notebook 03 does, fastest of 20, for the α–β fit. Introduced in notebooks/23-context-parallel.ipynb.
     """
     device = rank_device()
     clock = time.thread_time if device.type == "cpu" else time.perf_counter

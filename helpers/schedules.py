@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from .checks import positive_int
 
-# KINDS and programs (the GPipe and 1F1B orders) are written in notebooks/09-model-parallel.ipynb and exported into
+# KINDS and programs (the GPipe and 1F1B orders) are written in notebooks/10-model-parallel.ipynb and exported into
 # the region at the end of this file.
 
 class Slot(NamedTuple):
@@ -35,7 +35,7 @@ class Slot(NamedTuple):
 def bubble_fraction(n_stages: int, n_micro: int) -> float:
     """(S−1)/(M+S−1): the share of a balanced GPipe step each device spends idle.
 
-    Introduced in notebooks/09-model-parallel.ipynb.
+    Introduced in notebooks/10-model-parallel.ipynb.
     """
     positive_int("n_stages", n_stages)
     positive_int("n_micro", n_micro)
@@ -52,7 +52,7 @@ def _per_stage(value, n_stages: int) -> list[float]:
 def simulate(progs, fwd=1.0, bwd=2.0) -> list[Slot]:
     """Play the stages' programs; ``fwd``/``bwd`` are one micro-batch's durations (one number, or one per stage).
 
-    Introduced in notebooks/09-model-parallel.ipynb.
+    Introduced in notebooks/10-model-parallel.ipynb.
     """
     S = len(progs)
     fwd, bwd = _per_stage(fwd, S), _per_stage(bwd, S)
@@ -88,7 +88,7 @@ def simulate_ranks(orders, durations) -> list[Slot]:
     ``orders``: {rank: [(stage, op, mb), ...]}, e.g. a torch schedule's ``pipeline_order``; ``durations``: one pass of
     one stage, per op. F needs the previous stage's F; B or I needs the next stage's B or I (the last stage: its
     own F); W needs its own stage's I. A Slot's ``stage`` is the rank, its ``chunk`` the model stage.
-    Introduced in notebooks/10-pipelines.ipynb.
+    Introduced in notebooks/11-pipelines.ipynb.
     """
     ranks = sorted(orders)
     last = max(s for r in ranks for s, _, _ in orders[r])
@@ -117,7 +117,7 @@ def simulate_ranks(orders, durations) -> list[Slot]:
 def makespan(slots: list[Slot]) -> float:
     """The time the last pass ends: one training step.
 
-    Introduced in notebooks/09-model-parallel.ipynb.
+    Introduced in notebooks/10-model-parallel.ipynb.
     """
     return max(t.end for t in slots)
 
@@ -151,7 +151,7 @@ def in_flight(slots: list[Slot]) -> list[int]:
 def table(slots: list[Slot], tick: float = 1.0) -> str:
     """The schedule written out: one row per stage, one column per ``tick``, 'F3' / 'B3' / '.' (idle).
 
-    Introduced in notebooks/09-model-parallel.ipynb.
+    Introduced in notebooks/10-model-parallel.ipynb.
     """
     n_stages = 1 + max(t.stage for t in slots)
     cols = round(makespan(slots) / tick)
@@ -169,7 +169,7 @@ def predict_step(stage_seconds, n_micro: int, kind: str = "gpipe", backward_shar
     Each stage's time is split into M equal micro-batch passes (a
     ``backward_share`` of it backward) and the schedule simulated; with equal
     stages this is T·(M+S−1)/(M·S), the bubble formula.
-    Introduced in notebooks/09-model-parallel.ipynb.
+    Introduced in notebooks/10-model-parallel.ipynb.
     """
     per = [t / n_micro for t in stage_seconds]
     slots = simulate(programs(kind, len(per), n_micro), [p * (1 - backward_share) for p in per],
@@ -180,7 +180,7 @@ def predict_step(stage_seconds, n_micro: int, kind: str = "gpipe", backward_shar
 def draw_timeline(slots: list[Slot], title: str = "", ax=None, unit: str = "time", row: str = "stage"):
     """A Gantt chart: one row per stage, forward passes blue, backward orange, micro-batch numbers inside.
 
-    Introduced in notebooks/09-model-parallel.ipynb.
+    Introduced in notebooks/10-model-parallel.ipynb.
     """
     import matplotlib.pyplot as plt
 
@@ -204,7 +204,7 @@ def sweep_rows(times: dict, stage_seconds, cost_s: float | None = None) -> list[
     """One row per micro-batch count M from its timed steps (seconds): ms median, min, max, quartiles, the bubble,
     and the step a perfect pipeline would take from ``stage_seconds`` (plus ``cost_s`` per micro-batch, if given).
 
-    Introduced in notebooks/10-pipelines.ipynb.
+    Introduced in notebooks/11-pipelines.ipynb.
     """
     rows = []
     for m in sorted(times):
@@ -221,7 +221,7 @@ def sweep_rows(times: dict, stage_seconds, cost_s: float | None = None) -> list[
 def plot_sweep(rows: list[dict], title: str):
     """Measured step time per M (median, quartiles) beside the perfect pipeline and the bubble fraction.
 
-    Introduced in notebooks/10-pipelines.ipynb.
+    Introduced in notebooks/11-pipelines.ipynb.
     """
     import matplotlib.pyplot as plt
 
@@ -246,12 +246,12 @@ def plot_sweep(rows: list[dict], title: str):
     return fig
 
 
-# ---- exported from notebooks/09-model-parallel.ipynb: edit it there, then run `make export` ----
+# ---- exported from notebooks/10-model-parallel.ipynb: edit it there, then run `make export` ----
 KINDS = ("gpipe", "1f1b")
 
 
 def programs(kind, n_stages, n_micro):
-    """Each stage's order of passes, [("F", 0), ...]: GPipe or 1F1B. Introduced in notebooks/09-model-parallel.ipynb."""
+    """Each stage's order of passes, [("F", 0), ...]: GPipe or 1F1B. Introduced in notebooks/10-model-parallel.ipynb."""
     if kind not in KINDS or n_stages < 1 or n_micro < 1:
         raise ValueError(f"need a kind in {KINDS} and counts ≥ 1, got {kind!r}, {n_stages}, {n_micro}")
     progs = []
@@ -266,4 +266,4 @@ def programs(kind, n_stages, n_micro):
             prog += [("B", i) for i in range(n_micro - warm, n_micro)]  # drain
         progs.append(prog)
     return progs
-# ---- end of export from notebooks/09-model-parallel.ipynb ----
+# ---- end of export from notebooks/10-model-parallel.ipynb ----

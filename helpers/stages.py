@@ -2,7 +2,7 @@
 
 ``gpt_stage`` (a copy of the GPT that keeps only some blocks), ``TwoStage``
 (two such stages on two devices and the activation hand-off) and ``lm_loss``
-are written in notebooks/09-model-parallel.ipynb and exported into the region
+are written in notebooks/10-model-parallel.ipynb and exported into the region
 at the end of this file. Here: the names of the places a two-stage cut can go,
 the planners that say which device each stage (or each pipeline rank) gets
 with the GPUs that exist (counts can be mocked), and the measurements of a
@@ -28,7 +28,7 @@ from .train import sync
 def split_names(n_layer: int) -> dict[int, str]:
     """Every valid split k of a two-stage GPT (blocks 0..k−1 in stage 0) with a readable name.
 
-    Introduced in notebooks/10-pipelines.ipynb.
+    Introduced in notebooks/11-pipelines.ipynb.
     """
     def blocks(a, b):
         return f"blocks {a}–{b - 1}" if b - a > 1 else f"block {a}" if b > a else "no block"
@@ -49,7 +49,7 @@ def plan_stages(n_stages: int = 2, n_gpus: int | None = None) -> StagePlan:
     """Stage s → cuda:s when there is a GPU per stage; else all stages on cuda:0, or on the CPU.
 
     ``n_gpus`` overrides the count (for tests and "what if").
-    Introduced in notebooks/09-model-parallel.ipynb.
+    Introduced in notebooks/10-model-parallel.ipynb.
     """
     positive_int("n_stages", n_stages)
     n = gpu_count() if n_gpus is None else positive_int("n_gpus", n_gpus, minimum=0)
@@ -74,7 +74,7 @@ def plan_pipeline(n_stages: int = 2, n_gpus: int | None = None) -> StagePlan:
     nothing two CPU processes do not; the stage times that predict a perfect
     pipeline must then be measured on the CPU too (a rank measures its own).
     ``n_gpus`` overrides the count (for tests and "what if").
-    Introduced in notebooks/10-pipelines.ipynb.
+    Introduced in notebooks/11-pipelines.ipynb.
     """
     positive_int("n_stages", n_stages)
     n = gpu_count() if n_gpus is None else positive_int("n_gpus", n_gpus, minimum=0)
@@ -107,7 +107,7 @@ def plan_hybrid(world_size: int = 2, n_stages: int = 2, n_gpus: int | None = Non
 
     NCCL when no GPU is used by two ranks; gloo otherwise (NCCL refuses two
     ranks on one GPU) and on the CPU.
-    Introduced in notebooks/10-pipelines.ipynb.
+    Introduced in notebooks/11-pipelines.ipynb.
     """
     positive_int("world_size", world_size)
     positive_int("n_stages", n_stages)
@@ -141,7 +141,7 @@ def stage_seconds(stage: nn.Module, inputs: torch.Tensor, target: torch.Tensor |
     activation input (a float tensor) gets its gradient computed too (what a
     stage sends back); without a target, a stand-in gradient (``.sum()``) of
     the same work.
-    Introduced in notebooks/09-model-parallel.ipynb.
+    Introduced in notebooks/10-model-parallel.ipynb.
     """
     device = torch.device(device)
     inputs = inputs.detach().to(device).requires_grad_(inputs.is_floating_point())
@@ -159,7 +159,7 @@ def own_stage_seconds(rank: int, world_size: int, stage: nn.Module, inputs, targ
     """In a pipeline rank: time this rank's own stage on its own device, one rank at a time (barriers between).
 
     Taking turns keeps one rank's timing from sharing cores with another's.
-    Introduced in notebooks/10-pipelines.ipynb.
+    Introduced in notebooks/11-pipelines.ipynb.
     """
     seconds = None
     for r in range(world_size):
@@ -169,16 +169,16 @@ def own_stage_seconds(rank: int, world_size: int, stage: nn.Module, inputs, targ
     return seconds
 
 
-# ---- exported from notebooks/09-model-parallel.ipynb: edit it there, then run `make export` ----
+# ---- exported from notebooks/10-model-parallel.ipynb: edit it there, then run `make export` ----
 def lm_loss(logits, targets):
-    """Mean cross-entropy of the next byte over every position. Introduced in notebooks/09-model-parallel.ipynb."""
+    """Mean cross-entropy of the next byte over every position. Introduced in notebooks/10-model-parallel.ipynb."""
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def gpt_stage(model, blocks, *, first, last):
     """A copy of the GPT holding only `blocks`, the embeddings if first, norm and head if last.
 
-    Introduced in notebooks/09-model-parallel.ipynb.
+    Introduced in notebooks/10-model-parallel.ipynb.
     """
     stage = copy.deepcopy(model)
     for i in range(len(stage.blocks)):
@@ -192,7 +192,7 @@ def gpt_stage(model, blocks, *, first, last):
 
 
 class TwoStage(nn.Module):
-    """The GPT cut in two stages on two devices. Introduced in notebooks/09-model-parallel.ipynb."""
+    """The GPT cut in two stages on two devices. Introduced in notebooks/10-model-parallel.ipynb."""
 
     def __init__(self, model, split=2, devices=("cpu", "cpu")):  # split = k: blocks 0 … k−1 in stage 0
         super().__init__()
@@ -210,4 +210,4 @@ class TwoStage(nn.Module):
     def gpt_state(self, grads=False):  # parameters (or gradients) on the CPU, by their GPT names
         return {k: (p.grad if grads else p).detach().cpu()
                 for stage in (self.stage0, self.stage1) for k, p in stage.named_parameters()}
-# ---- end of export from notebooks/09-model-parallel.ipynb ----
+# ---- end of export from notebooks/10-model-parallel.ipynb ----

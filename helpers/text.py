@@ -6,7 +6,7 @@ The corpus is the topic pages of Python's own reference documentation (``pydoc_d
 version (``corpus_info`` says which, with a sha256, so two learners can compare). Tokens are the UTF-8 bytes
 (vocabulary 256): no tokenizer to install, and any text file can stand in (``COURSE_CORPUS=/path/to/file.txt``).
 
-Introduced in notebooks/08-memory.ipynb; used by 15, 17 and the capstone.
+Introduced in notebooks/09-memory.ipynb; used by 10-11, 16-19, the capstone (21-22) and 23-25.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ VOCAB_SIZE = 256  # one token per byte value
 class CorpusMissing(RuntimeError):
     """The corpus could not be read, or is empty; the message names where it looked and the fix.
 
-    Introduced in notebooks/08-memory.ipynb.
+    Introduced in notebooks/09-memory.ipynb.
     """
 
 
@@ -48,7 +48,7 @@ def load_corpus(path: str | os.PathLike | None = None) -> tuple[bytes, str]:
     """The corpus's bytes and where they came from: ``path``, else $COURSE_CORPUS, else Python's reference topics.
 
     Raises CorpusMissing (naming the place it looked and the fix) when the file is missing or empty.
-    Introduced in notebooks/08-memory.ipynb.
+    Introduced in notebooks/09-memory.ipynb.
     """
     path = path if path is not None else os.environ.get("COURSE_CORPUS") or None
     if path is None:
@@ -71,7 +71,7 @@ def load_corpus(path: str | os.PathLike | None = None) -> tuple[bytes, str]:
 def corpus_info(data: bytes, where: str) -> str:
     """One line a learner can compare with another's: size, sha256 prefix, source.
 
-    Introduced in notebooks/08-memory.ipynb.
+    Introduced in notebooks/09-memory.ipynb.
     """
     return f"{len(data):,} bytes, sha256 {hashlib.sha256(data).hexdigest()[:12]}, from {where}"
 
@@ -79,7 +79,7 @@ def corpus_info(data: bytes, where: str) -> str:
 def byte_splits(data: bytes, held_out: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
     """(train, val) token tensors (uint8 → int64): the last ``held_out`` share of the bytes is held out.
 
-    Introduced in notebooks/08-memory.ipynb.
+    Introduced in notebooks/09-memory.ipynb.
     """
     if not 0 < held_out < 1:
         raise ValueError(f"held_out={held_out}: a share strictly between 0 and 1")
@@ -91,7 +91,7 @@ def byte_splits(data: bytes, held_out: float = 0.1) -> tuple[torch.Tensor, torch
 def random_windows(tokens: torch.Tensor, batch: int, seq_len: int, generator: torch.Generator | None = None):
     """A batch of (input, target) windows: ``batch`` random starts, targets shifted by one byte.
 
-    Introduced in notebooks/08-memory.ipynb.
+    Introduced in notebooks/09-memory.ipynb.
     """
     if len(tokens) <= seq_len + 1:
         raise ValueError(f"{len(tokens)} tokens cannot hold a window of {seq_len} + 1")
@@ -104,7 +104,7 @@ def random_windows(tokens: torch.Tensor, batch: int, seq_len: int, generator: to
 def decode(tokens) -> str:
     """Bytes back to text (a cut in the middle of a UTF-8 character shows as �).
 
-    Introduced in notebooks/08-memory.ipynb.
+    Introduced in notebooks/09-memory.ipynb.
     """
     return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
 
@@ -112,7 +112,7 @@ def decode(tokens) -> str:
 def encode(text: str) -> torch.Tensor:
     """Text to byte tokens (UTF-8), int64: decode's inverse.
 
-    08 writes it on its page (``torch.tensor(list(b"The "))``).
+    09 writes it on its page (``torch.tensor(list(b"The "))``).
     Machinery behind decode's round-trip test; no notebook calls it directly.
     """
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)

@@ -40,7 +40,7 @@ def torchrun_command(script_args, *, nproc: int = 1, nnodes: int = 1, node_rank:
     With ``max_restarts``, run it with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
     in ``run``'s ``env`` (a store per attempt; scripts/train_ddp.py refuses
     restarts without it).
-    Introduced in notebooks/13-torchrun-and-clusters.ipynb.
+    Introduced in notebooks/14-torchrun-and-clusters.ipynb.
     """
     cmd = [python, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if nnodes == 1 and endpoint is None:
@@ -75,7 +75,7 @@ class Finished:
 class RunFailed(RuntimeError):
     """A process of ``run`` exited with a non-zero code or ran past the timeout; the message quotes its last lines.
 
-    Introduced in notebooks/13-torchrun-and-clusters.ipynb.
+    Introduced in notebooks/14-torchrun-and-clusters.ipynb.
     """
 
 
@@ -92,7 +92,7 @@ def run(commands: dict, *, timeout: float = 300.0, env: dict | None = None, on_l
     kernel itself die, Linux sends each process SIGTERM and torchrun stops
     its workers.
     With ``check``, a non-zero exit code raises ``RunFailed``.
-    Introduced in notebooks/13-torchrun-and-clusters.ipynb.
+    Introduced in notebooks/14-torchrun-and-clusters.ipynb.
     """
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     procs, results, partial, start = {}, {}, {}, time.monotonic()
@@ -189,7 +189,7 @@ def kill_tree(pid: int) -> None:
 def workers(pid: int, script=SCRIPT) -> list:
     """The processes under torchrun ``pid`` that run ``script``: the workers, not the agent.
 
-    Introduced in notebooks/13-torchrun-and-clusters.ipynb.
+    Introduced in notebooks/14-torchrun-and-clusters.ipynb.
     """
     found = []
     try:
@@ -211,7 +211,7 @@ def kill_worker_after(marker: str, node: str | None = None, index: int = 0):
     ``node`` names the torchrun whose worker dies (default: the first);
     ``index`` picks the worker. The returned callable's ``killed`` lists
     the pids it killed.
-    Introduced in notebooks/13-torchrun-and-clusters.ipynb.
+    Introduced in notebooks/14-torchrun-and-clusters.ipynb.
     """
     def on_line(name, line, procs):
         if on_line.killed or marker not in line:
@@ -238,7 +238,7 @@ def sbatch_dry_run(nodes: int, gpus_per_node: int, *, path=SBATCH, job_id: int =
     command each node would run, with the variables that torchrun and its
     workers read in front (``SLURM_NODEID`` set per node), so what a real
     cluster would start can be read without one.
-    Introduced in notebooks/13-torchrun-and-clusters.ipynb.
+    Introduced in notebooks/14-torchrun-and-clusters.ipynb.
     """
     import shlex
     import tempfile
@@ -270,11 +270,11 @@ def sbatch_dry_run(nodes: int, gpus_per_node: int, *, path=SBATCH, job_id: int =
     return out
 
 
-# ---- exported from notebooks/14-debugging-distributed.ipynb: edit it there, then run `make export` ----
+# ---- exported from notebooks/15-debugging-distributed.ipynb: edit it there, then run `make export` ----
 def flight_recorder_env(dump_dir, buffer_size: int = 2000) -> dict:
     """NCCL's Flight Recorder spelled out: torch's defaults (on, dump on timeout) and each rank's dump in dump_dir.
 
-    Introduced in notebooks/14-debugging-distributed.ipynb.
+    Introduced in notebooks/15-debugging-distributed.ipynb.
     """
     if buffer_size < 1:
         raise ValueError(f"buffer_size must be ≥ 1, got {buffer_size}")  # 0 turns the recorder off
@@ -286,8 +286,8 @@ def flight_recorder_env(dump_dir, buffer_size: int = 2000) -> dict:
 def fr_trace_command(dump_dir, *args, python: str = sys.executable) -> list:
     """torch's analyzer (torchfrtrace) over the dumps in dump_dir, plus args.
 
-    Introduced in notebooks/14-debugging-distributed.ipynb.
+    Introduced in notebooks/15-debugging-distributed.ipynb.
     """
     return [python, "-m", "torch.distributed.flight_recorder.fr_trace", str(dump_dir), "--prefix", "rank_",
             *map(str, args)]
-# ---- end of export from notebooks/14-debugging-distributed.ipynb ----
+# ---- end of export from notebooks/15-debugging-distributed.ipynb ----

@@ -5,7 +5,7 @@ the end of this file); every DDP rank in later notebooks runs them. The loop kee
 the device (``Tally``) and reads them once per pass, so it never waits on the GPU inside a step (a
 ``loss.item()`` per step would). Around them: timing sync, full-fp32 and autocast contexts, the Stop and
 LR-schedule hooks, and ``fit`` (epochs with a progress bar). ``make_scaler`` is exported from
-notebooks/07-large-batch.ipynb (the second region at the end).
+notebooks/08-large-batch.ipynb (the second region at the end).
 """
 
 from __future__ import annotations
@@ -243,11 +243,11 @@ def train_one_epoch(model, loader, optimizer, device, *, amp=None, scaler=None, 
 # ---- end of export from notebooks/01-single-gpu.ipynb ----
 
 
-# ---- exported from notebooks/07-large-batch.ipynb: edit it there, then run `make export` ----
+# ---- exported from notebooks/08-large-batch.ipynb: edit it there, then run `make export` ----
 def make_scaler(device, amp):
     """A GradScaler for fp16, whose small gradients underflow; None for bf16 and fp32, which need none.
 
-    Introduced in notebooks/07-large-batch.ipynb.
+    Introduced in notebooks/08-large-batch.ipynb.
     """
     return torch.amp.GradScaler(torch.device(device).type) if amp == "fp16" else None
-# ---- end of export from notebooks/07-large-batch.ipynb ----
+# ---- end of export from notebooks/08-large-batch.ipynb ----

@@ -6,7 +6,7 @@ renumbers what it lets through from 0: under ``"2,3"`` the process sees
 an error to CUDA; it silently shows fewer GPUs (``cuda_would_see`` has the rule
 measured on one H100 with torch 2.11). So ``check_mask`` refuses bad masks with a clear message
 before anything runs. ``start_script``, which builds a child's environment
-with the mask, is written in notebooks/12-visible-devices.ipynb and exported
+with the mask, is written in notebooks/13-visible-devices.ipynb and exported
 here (the region at the end of this file).
 """
 
@@ -35,7 +35,7 @@ class MaskError(ValueError):
 def physical_gpus() -> list[dict]:
     """Every GPU in the box as NVML numbers them (PCI bus order, whatever the mask): index, name, uuid, bus id.
 
-    Introduced in notebooks/12-visible-devices.ipynb.
+    Introduced in notebooks/13-visible-devices.ipynb.
     """
     try:
         import pynvml
@@ -60,9 +60,9 @@ def cuda_would_see(mask: str | None, n_physical: int) -> int:
     The rule measured child by child on one H100 with torch 2.11: no mask → all; entries are read
     left to right and the list stops at the first invalid one (not a number,
     negative, or no such GPU); any duplicate hides every GPU. torch's own reading (``_parse_visible_devices``,
-    ``_device_count_nvml`` in torch/cuda/__init__.py) agrees on notebook 12's masks, but not on some that
+    ``_device_count_nvml`` in torch/cuda/__init__.py) agrees on notebook 13's masks, but not on some that
     ``check_mask`` refuses anyway: it reads ``"1x"`` as 1 (strtoul) and shows none for ``"0,5,0"`` on one GPU.
-    Introduced in notebooks/12-visible-devices.ipynb.
+    Introduced in notebooks/13-visible-devices.ipynb.
     """
     if mask is None:
         return n_physical
@@ -79,7 +79,7 @@ def check_mask(mask: str, n_physical: int | None = None) -> tuple:
     """The GPUs ``mask`` names, as ints (or UUID strings); ``MaskError`` when CUDA would not show them all.
 
     ``""`` is valid (no GPU). ``n_physical`` defaults to the GPUs NVML finds.
-    Introduced in notebooks/12-visible-devices.ipynb.
+    Introduced in notebooks/13-visible-devices.ipynb.
     """
     if not isinstance(mask, str):
         raise MaskError(f"{VAR} must be a string such as '0,1' (or '' for no GPU), got {mask!r}")
@@ -166,7 +166,7 @@ def run_function(mask: str, fn, *args, timeout: float = 120.0, check: bool = Tru
 
     Fork, so a function defined in the notebook works; the child sets the
     mask (and ``env``) before any CUDA call, which is why CUDA must not be initialised here.
-    Machinery behind 12's run_under (plus check_mask, captured output, a named error); no notebook calls it directly.
+    Machinery behind 13's run_under (plus check_mask, captured output, a named error); no notebook calls it directly.
     """
     if check:
         check_mask(mask)
@@ -198,7 +198,7 @@ def _child(mask, fn, args, env) -> tuple:
 def launch_on(mask: str, fn, world_size: int, *args, **kwargs):
     """``helpers.launch.launch`` with only ``mask``'s GPUs visible: the plan and the forked ranks see the subset.
 
-    Introduced in notebooks/12-visible-devices.ipynb.
+    Introduced in notebooks/13-visible-devices.ipynb.
     """
     from .launch import launch
 
@@ -206,15 +206,15 @@ def launch_on(mask: str, fn, world_size: int, *args, **kwargs):
         return launch(fn, world_size, *args, **kwargs)
 
 
-# ---- exported from notebooks/12-visible-devices.ipynb: edit it there, then run `make export` ----
+# ---- exported from notebooks/13-visible-devices.ipynb: edit it there, then run `make export` ----
 def start_script(mask: str, command: list[str], check: bool = True, env: dict | None = None) -> subprocess.Popen:
     """Start ``command`` seeing only ``mask``'s GPUs; return its Popen at once (stdout with stderr, as text).
 
-    Introduced in notebooks/12-visible-devices.ipynb.
+    Introduced in notebooks/13-visible-devices.ipynb.
     """
     if check:
         check_mask(mask)
     child_env = {**os.environ, **(env or {})}
     child_env.update(CUDA_VISIBLE_DEVICES=mask)  # the child's CUDA reads it when it starts
     return subprocess.Popen(command, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-# ---- end of export from notebooks/12-visible-devices.ipynb ----
+# ---- end of export from notebooks/13-visible-devices.ipynb ----

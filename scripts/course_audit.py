@@ -433,7 +433,7 @@ def gpu_routes(root: Path = ROOT, machines=MACHINES) -> dict[int, dict[str, list
     ``if`` branches on a GPU test that hold there, and top-level calls given a GPU device the notebook chose
     (``pick_device``). Full size (``SMOKE`` False). Not seen: a world size or test the audit cannot evaluate (it
     depends on data or on torch at run time), launches inside functions (20 starts train_gpt.py from one, sized by
-    ``mfu.plan_capstone``), and where a launched rank function puts its work when it plans on its own (10's
+    ``mfu.plan_capstone``), and where a launched rank function puts its work when it plans on its own (11's
     ``pp_rank`` follows ``stages.plan_pipeline``): the launch's plan is what is listed.
     """
     routes = {}
@@ -459,7 +459,7 @@ def gpu_routes(root: Path = ROOT, machines=MACHINES) -> dict[int, dict[str, list
 
 
 def print_gpu_routes(routes: dict) -> None:
-    print("\nGPU routes (gpu_routes' docstring says what it cannot see: 20's runs start inside a function)")
+    print("\nGPU routes (gpu_routes' docstring says what it cannot see: 21's runs start inside a function)")
     for n, per in routes.items():
         label = f"{n} GPU{'s' if n > 1 else ''}" + (" (and any machine with 4 to 7)" if n == 4 else "")
         print(f"\nGPU routes on {label}: {len(per)} notebooks, {sum(len({c for c, _ in v}) for v in per.values())} cells")

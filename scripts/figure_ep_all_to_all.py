@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Draw notebooks/figures/ep-all-to-all.svg from helpers.moe.route's own output (notebook 22b's figure).
+"""Draw notebooks/figures/ep-all-to-all.svg from helpers.moe.route's own output (notebook 25's figure).
 
 Two ranks, four experts (0, 1 on rank 0; 2, 3 on rank 1), four tokens a rank, top-2 with capacity factor 1: each
 rank's router logits come from a seeded generator, ``route()`` says which expert each (token, slot) goes to and

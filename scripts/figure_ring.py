@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Draw notebooks/figures/ring-attention.svg from helpers.ring_attention's own assignment (notebook 21's figure).
+"""Draw notebooks/figures/ring-attention.svg from helpers.ring_attention's own assignment (notebook 23's figure).
 
 Four ranks, 2·4 = 8 sequence chunks. For each layout (contiguous, zig-zag) the figure shows which rank holds each
 chunk (``chunks_of``), then the causal score blocks as a grid of query chunk × key chunk: a square for every block

@@ -7,8 +7,8 @@
 Rows: torch, the driver and the kernel checks (helpers.devices.plan); the class `init_process_group("nccl")` builds
 (torch 2.15: ProcessGroupNCCL2 unless TORCH_DIST_USE_NCCL2=0; 2.11: ProcessGroupNCCL); two NCCL ranks on one GPU
 refused fast ("Duplicate GPU detected"); every notebook's first code cell (its imports and set-up) leaves CUDA
-uninitialised, so its later launches can fork; notebooks 00, 02, 05, 07 and 08 in smoke mode (and, with two GPUs or
-more, 10, 14, 15, 16, 17, 21 and 22 on NCCL); 20's script for 25 steps in bf16 with compile and in float32, with the
+uninitialised, so its later launches can fork; notebooks 00, 02, 05, 08, 09 and 24 in smoke mode (and, with two GPUs or
+more, 11, 15, 16, 17, 18, 19, 23 and 25 on NCCL); 21's script for 25 steps in bf16 with compile and in float32, with the
 MFU it prints and the peak it divides by; compiled = eager in float64 on CUDA.
 
 It runs where there is no Jupyter and no network (the lent GPU machine: torch 2.11 and no pip access): the notebook
@@ -32,8 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-NOTEBOOKS_ONE_GPU = ("00", "02", "05", "07", "08")
-NOTEBOOKS_TWO_GPUS = ("10", "14", "15", "16", "17", "21", "22")  # their NCCL routes need a GPU per rank
+NOTEBOOKS_ONE_GPU = ("00", "02", "05", "08", "09", "24")
+NOTEBOOKS_TWO_GPUS = ("11", "15", "16", "17", "18", "19", "23", "25")  # their NCCL routes need a GPU per rank
 NO_GPU = 2  # exit status: nothing to check here
 
 
@@ -44,7 +44,7 @@ def planned(n_gpus: int) -> list[str]:
     rows = ["torch, driver and kernels", "NCCL backend class", "two NCCL ranks on one GPU refused",
             "first cells leave CUDA uninitialised"]
     rows += [f"notebook {n} (smoke)" for n in NOTEBOOKS_ONE_GPU]
-    rows += ["20's script, bf16 + compile, 25 steps", "20's script, float32, 25 steps", "compiled = eager, float64"]
+    rows += ["21's script, bf16 + compile, 25 steps", "21's script, float32, 25 steps", "compiled = eager, float64"]
     if n_gpus >= 2:
         rows += [f"notebook {n} (smoke, NCCL)" for n in NOTEBOOKS_TWO_GPUS]
     return rows
@@ -210,8 +210,8 @@ def check(n_gpus: int, table: list) -> None:
         else:
             row(name, False, "not run: nbmake/ipykernel not importable (../shared/gpu/README.md: the wheels)", 0.0)
 
-    row("20's script, bf16 + compile, 25 steps", *_train(["--dtype", "bfloat16", "--compile"], n_gpus, 300))
-    row("20's script, float32, 25 steps", *_train(["--dtype", "float32"], n_gpus, 300))
+    row("21's script, bf16 + compile, 25 steps", *_train(["--dtype", "bfloat16", "--compile"], n_gpus, 300))
+    row("21's script, float32, 25 steps", *_train(["--dtype", "float32"], n_gpus, 300))
 
     code, out, seconds = _run([sys.executable, "-c", F64], 300, env={"PYTHONPATH": str(ROOT)})
     diffs = [line.split()[1:] for line in out.splitlines() if line.startswith("DIFF")]

@@ -16,7 +16,7 @@ the end, and a start finds the file and resumes from the step saved there, so
 that a run restarted at any point ends with exactly the parameters of an
 uninterrupted one (CPU, same world size). ``--dtype float64`` makes runs
 comparable to 1e-10 where float32's rounding could tell them apart (GPUs).
-Introduced in notebooks/13-torchrun-and-clusters.ipynb.
+Introduced in notebooks/14-torchrun-and-clusters.ipynb.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="a small prefix of the data (what CI runs)")
     p.add_argument("--batch-norm", action="store_true", help="ConvNet with BatchNorm (04's runs use none)")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32",
-                   help="weights and images; float64 to compare runs exactly (notebook 13)")
+                   help="weights and images; float64 to compare runs exactly (notebook 14)")
     p.add_argument("--checkpoint", type=Path, default=None, help="save here; resume from here when it exists")
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (0: only at the end)")
     p.add_argument("--log-every", type=int, default=10, help="rank 0 prints a progress line every N steps")

@@ -4,12 +4,12 @@
     torchrun --standalone --nproc-per-node=8 scripts/train_gpt.py --pp 2 --tp 2 --checkpoint-dir ckpt --save-every 40
     torchrun --standalone --nproc-per-node=4 scripts/train_gpt.py --pp 1 --tp 1 --resume ckpt/step-80  # resharded
 
-Each pp rank holds a stage (a copy of the GPT with its own blocks; names unchanged); inside it notebook 17's tensor-
+Each pp rank holds a stage (a copy of the GPT with its own blocks; names unchanged); inside it notebook 19's tensor-
 and sequence-parallel plan over tp, activation checkpointing, compile if asked, and FSDP2 over dp. Stages talk through
 torch.distributed.pipelining (1F1B over --micro micro-batches); one stage accumulates --micro micro-batches by hand.
 Step s's global batch depends on (seed, s) alone, so a run resumed from a DCP checkpoint (saved on any mesh, read on
 any other) sees the batches an uninterrupted run sees. Rank 0 prints one JSON object per line for the notebook.
-Introduced in notebooks/20-gpt-capstone.ipynb.
+Introduced in notebooks/21-gpt-capstone.ipynb.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def build(args, cfg, mesh, device, dtype):
     return stage, pipeline(stage, mesh, device, args.micro), pipeline(stage, mesh, device, args.micro)
 
 
-# ---- exported from notebooks/20-gpt-capstone.ipynb: edit it there, then run `make export` ----
+# ---- exported from notebooks/21-gpt-capstone.ipynb: edit it there, then run `make export` ----
 def make_mesh(device, pp, tp):
     # W workers as a (pp, dp, tp) grid, dp = W / (pp * tp): the tp workers of a row are consecutive ranks (one node's
     # fast links), each dp row takes its rows of the batch, each pp slice holds a part of the blocks
@@ -155,7 +155,7 @@ def stage_of(model, mesh):
 
 
 def tensor_parallel(stage, tp_mesh):
-    # notebook 17's plan, torchtitan's apply_tp: vocabulary-parallel embedding and head, norms on 1/tp of the tokens
+    # notebook 19's plan, torchtitan's apply_tp: vocabulary-parallel embedding and head, norms on 1/tp of the tokens
     ends = {"tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "pos": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
             "norm": SequenceParallel(),
@@ -244,10 +244,10 @@ def train_step(model, schedule, optimizer, x, y, *, lr, micro, max_norm, mesh):
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss, norm
-# ---- end of export from notebooks/20-gpt-capstone.ipynb ----
+# ---- end of export from notebooks/21-gpt-capstone.ipynb ----
 
 
-# ---- exported from notebooks/20b-gpt-capstone-run.ipynb: edit it there, then run `make export` ----
+# ---- exported from notebooks/22-gpt-capstone-run.ipynb: edit it there, then run `make export` ----
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # AdamW's state keyed by each parameter's FQN
 
 
@@ -265,7 +265,7 @@ def load_checkpoint(model, optimizer, folder):
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=folder)  # each worker reads the parts of the saved slices that it needs
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=FLAT)
-# ---- end of export from notebooks/20b-gpt-capstone-run.ipynb ----
+# ---- end of export from notebooks/22-gpt-capstone-run.ipynb ----
 
 
 def held_out(model, schedule, val, size, args, mesh, device) -> float:

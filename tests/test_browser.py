@@ -4,7 +4,7 @@ Starts JupyterLab on 127.0.0.1 with a token on a temporary copy of notebooks/
 (nothing it saves can touch the repository), drives Debian's chromium through
 the ``playwright`` package (no browser download), and for every notebook: opens
 it with ``?reset``, runs all cells, and fails on any error output. Where a
-notebook has a panel (``PANELS``: 01, 03, 05, 07, 08) it then pushes a control
+notebook has a panel (``PANELS``: 01, 03, 05, 08, 09) it then pushes a control
 to its end, clicks Run, sees the progress move, clicks Stop mid-run (the rank
 processes must be gone), sets the control to its start and runs again to the
 end (drawn, no error, no process left).
@@ -281,7 +281,7 @@ def _ranks(lab: Lab, before: set[int]) -> list[psutil.Process]:
 
 
 def _alive_and(p: psutil.Process, check) -> bool:
-    """check(p), or False for a process that ended in the meantime (09's DataLoader workers come and go)."""
+    """check(p), or False for a process that ended in the meantime (10's DataLoader workers come and go)."""
     try:
         return check(p)
     except psutil.Error:
@@ -309,11 +309,11 @@ class PanelCheck:
 PANELS = {
     "01-single-gpu.ipynb": PanelCheck(("epochs",), ranks=False),
     "04-ddp.ipynb": PanelCheck(("steps", "batch"), ranks=True),
-    "07-large-batch.ipynb": PanelCheck(("steps",), ranks=True, menus=("precision",)),
-    "10-pipelines.ipynb": PanelCheck(("micro-batches",), ranks=True, menus=("split",)),
-    # 11's run is one launched child measuring a loader, which prints its numbers when it ends; the longest run
+    "08-large-batch.ipynb": PanelCheck(("steps",), ranks=True, menus=("precision",)),
+    "11-pipelines.ipynb": PanelCheck(("micro-batches",), ranks=True, menus=("split",)),
+    # 12's run is one launched child measuring a loader, which prints its numbers when it ends; the longest run
     # (most workers, most epochs) lasts seconds, long enough to Stop it: the child and its workers must go
-    "11-data-loading.ipynb": PanelCheck(("num_workers", "epochs"), ranks=True, moves=False),
+    "12-data-loading.ipynb": PanelCheck(("num_workers", "epochs"), ranks=True, moves=False),
 }
 
 
@@ -390,7 +390,7 @@ def test_notebook_in_the_browser(lab, browser, name):
 def test_browser_notebooks_choice():
     assert _chosen(NOTEBOOKS, "panels") == sorted(PANELS)
     assert _chosen(NOTEBOOKS, "all") == NOTEBOOKS
-    assert _chosen(NOTEBOOKS, "04,10-pipelines.ipynb") == ["04-ddp.ipynb", "10-pipelines.ipynb"]
+    assert _chosen(NOTEBOOKS, "04,11-pipelines.ipynb") == ["04-ddp.ipynb", "11-pipelines.ipynb"]
     with pytest.raises(ValueError, match="no notebook"):
         _chosen(NOTEBOOKS, "99")
 

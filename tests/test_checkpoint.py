@@ -1,6 +1,6 @@
 """helpers.checkpoint: round trips, atomic writes under SIGKILL, clear errors.
 
-Exact resume (the rank function that saves and resumes) is notebook 09's lesson and is asserted there.
+Exact resume (the rank function that saves and resumes) is notebook 10's lesson and is asserted there.
 
 No backward pass runs in this process (a CPU backward here would break later GPU forks, FACTS.md):
 optimizer state is made by setting .grad by hand, and training runs in launched ranks.

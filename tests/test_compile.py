@@ -1,4 +1,4 @@
-"""helpers.compiler and notebook 19 on a machine without a C++ compiler.
+"""helpers.compiler and notebook 20 on a machine without a C++ compiler.
 
 Inductor on the CPU builds C++ with $CXX, else g++ (clang++ on macOS). ``_find_cxx`` must agree with Inductor: where
 it finds a compiler Inductor compiles, and where it finds none Inductor fails, ``aot_eager`` still runs, and the
@@ -19,7 +19,7 @@ import pytest
 from helpers import compiler
 
 ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOK = ROOT / "notebooks" / "19-torch-compile.ipynb"
+NOTEBOOK = ROOT / "notebooks" / "20-torch-compile.ipynb"
 HAS_GXX = shutil.which("g++") is not None
 
 
@@ -164,7 +164,7 @@ def test_the_gpu_checks_look_where_triton_looks(monkeypatch, tmp_path):
 
 
 def test_fsdp2_hooks_are_kept_out_of_graphs_by_version():
-    """Notebook 19 says: torch 2.11 skips FSDP2's hooks while torch._dynamo.config.skip_fsdp_hooks is on (the
+    """Notebook 20 says: torch 2.11 skips FSDP2's hooks while torch._dynamo.config.skip_fsdp_hooks is on (the
     default); torch 2.15 has no such option and wraps every hook in torch._dynamo.disable (issue 43, item 18)."""
     import inspect
 

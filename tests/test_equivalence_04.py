@@ -3,7 +3,7 @@
 Section 1 (the skeleton forked from the notebook vs the same file under torchrun, 3 epochs of 4 steps), section 4
 ("DDP is one big batch") and exercise 1 (three ranks across an epoch's end) compare weights in float64 and assert
 < 1e-10. Each runs here with the notebook's own code (section 1: its ``%%writefile`` cell; then ``ddp_steps``,
-``reference_rank``) and sizes, for every rounding in ``ROUNDINGS``. (Notebook 04b, which this file also covers by
+``reference_rank``) and sizes, for every rounding in ``ROUNDINGS``. (Notebook 07, which this file also covers by
 its number, asserts no float64 bound: its hook check is bit-identity, ``torch.equal``.) (The skeleton sets one thread per rank itself, so there the thread
 count of ``perturbed`` is overridden and only the one-ulp nudge of the forked side perturbs it.) The last test shows the bound can fail: float32's
 rounding alone, a real bug (gradients summed, not averaged) and BatchNorm's per-rank statistics all exceed it.

@@ -1,6 +1,6 @@
-"""helpers.fsdp: notebook 15b's exported FSDP2 recipe (``shard``), which notebook 16 and the tests shard the GPT with.
+"""helpers.fsdp: notebook 17's exported FSDP2 recipe (``shard``), which notebook 18 and the tests shard the GPT with.
 
-The FSDP lesson itself is written in notebooks/15-fsdp.ipynb and 15b-fsdp-in-production.ipynb, whose asserts check it.
+The FSDP lesson itself is written in notebooks/16-fsdp.ipynb and 17-fsdp-in-production.ipynb, whose asserts check it.
 Training runs in launched ranks only (a backward pass in this process would break later GPU forks).
 """
 
@@ -103,9 +103,9 @@ def plans_on_gpus(notebook: Path) -> list[dict]:
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
-@pytest.mark.parametrize("notebook", ["15-fsdp", "15b-fsdp-in-production", "16-distributed-checkpoints"])
+@pytest.mark.parametrize("notebook", ["16-fsdp", "17-fsdp-in-production", "18-distributed-checkpoints"])
 def test_cpu_ranks_get_gloo_whatever_the_number_of_gpus(notebook):
-    """Each launch of 15, 15b and 16 is planned on its own (devices.plan_launch): a launch that fits the usable GPUs puts one
+    """Each launch of 15, 17 and 18 is planned on its own (devices.plan_launch): a launch that fits the usable GPUs puts one
     rank on each over NCCL; one that needs more ranks than GPUs runs every rank on the CPU over gloo, never a CPU rank
     on an NCCL group (init_device_mesh("cpu", ...) on NCCL fails: "No backend type associated with device type cpu")
     and never two ranks on one GPU."""

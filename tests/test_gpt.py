@@ -1,4 +1,4 @@
-"""The course's GPT (helpers/gpt.py, written in notebooks/08-memory.ipynb): shapes, causality, parameter and FLOP
+"""The course's GPT (helpers/gpt.py, written in notebooks/09-memory.ipynb): shapes, causality, parameter and FLOP
 counts against FlopCounterMode, checkpointing, meta-device initialisation and seeded sampling."""
 
 import math

@@ -1,6 +1,6 @@
 """`make gpu-check` (scripts/gpu_check.py): its CPU side. The checks themselves need a GPU; here, what it plans to run
 on 1 and on several GPUs, that a machine without a usable GPU stops it at once with the reason, and that it reads
-20's script's events (rate, MFU, peak) the way the script writes them."""
+21's script's events (rate, MFU, peak) the way the script writes them."""
 
 import json
 import subprocess
@@ -17,7 +17,7 @@ import gpu_check  # noqa: E402
 
 def test_two_gpus_add_the_nccl_notebooks_to_the_one_gpu_checks():
     one, two, eight = gpu_check.planned(1), gpu_check.planned(2), gpu_check.planned(8)
-    assert "two NCCL ranks on one GPU refused" in one and "notebook 08 (smoke)" in one
+    assert "two NCCL ranks on one GPU refused" in one and "notebook 09 (smoke)" in one
     assert not any("NCCL)" in row for row in one)
     assert two[:len(one)] == one and two == eight
     assert [r for r in two if r not in one] == [f"notebook {n} (smoke, NCCL)" for n in gpu_check.NOTEBOOKS_TWO_GPUS]

@@ -156,7 +156,7 @@ def test_a_poisoned_fork_s_own_words_get_the_backward_fix(library):
     assert "backward pass" in _hint(RuntimeError(message))
 
 
-# ---- notebook 12's children choose CUDA by the course's plan, not by NVML's count (issue 34, item 4) ----
+# ---- notebook 13's children choose CUDA by the course's plan, not by NVML's count (issue 34, item 4) ----
 
 import ast  # noqa: E402
 import json  # noqa: E402
@@ -168,11 +168,11 @@ OLD_DRIVER = (
     "c._device_count_nvml = lambda: 0 if os.environ.get('CUDA_VISIBLE_DEVICES') == '' else 2; "
     "import helpers.devices as d; d.driver_check = lambda: 'this GPU driver supports CUDA up to 12.4, but ...'; "
 )
-NB12 = ROOT / "notebooks" / "12-visible-devices.ipynb"
+NB12 = ROOT / "notebooks" / "13-visible-devices.ipynb"
 
 
 def _nb12_code(start: str) -> str:
-    """The source of notebook 12's code cell that starts with ``start``."""
+    """The source of notebook 13's code cell that starts with ``start``."""
     for cell in json.loads(NB12.read_text())["cells"]:
         src = "".join(cell["source"])
         if cell["cell_type"] == "code" and src.startswith(start):
@@ -214,9 +214,9 @@ def test_notebook_12_child_functions_start_no_cuda_on_gpus_this_torch_cannot_run
     assert proc.stdout.strip() in ("None", "[]"), proc.stdout
 
 
-# ---- notebook 19: a compile in the notebook's own process starts CUDA on a GPU machine (found on an H200) ----
+# ---- notebook 20: a compile in the notebook's own process starts CUDA on a GPU machine (found on an H200) ----
 
-NB19 = ROOT / "notebooks" / "19-torch-compile.ipynb"
+NB19 = ROOT / "notebooks" / "20-torch-compile.ipynb"
 # run first in a child: CUDA looks available to THIS process (as on a GPU machine), and whatever would initialise
 # CUDA here (every path goes through torch._C._cuda_init: torch.cuda._lazy_init) is recorded with its caller and
 # refused. Processes forked from it see the real machine (no GPU), so the notebook's launches run as in CI.
@@ -279,7 +279,7 @@ def test_notebook_19_compiles_nothing_in_its_own_process():
     assert "FAILED" not in out.stdout and "CUDA_INITS 0 " in out.stdout, out.stdout[-3000:]
 
 
-# ---- per-launch devices (issue 44, items 1, 2, 8): four machines, mocked; every launch of 15-17, 19, 21, 22 ----
+# ---- per-launch devices (issue 44, items 1, 2, 8): four machines, mocked; every launch of 16-20, 23-25 ----
 
 import re  # noqa: E402
 
@@ -297,31 +297,31 @@ USABLE = {"1xH100, CUDA 13 driver": 1, "2xT4": 2, "8xH100": 8, "1xT4, 12.x drive
 # every launch( call of each notebook, in order: (what it runs, its world sizes, how it is planned).
 # "fit": the notebook's RUN/QUIET (plan=devices.plan_launch); "cpu": CPU ranks on every machine.
 LAUNCHES = {
-    "15-fsdp": [("collectives", (2,), "fit"), ("FSDP", (2,), "fit"), ("one process", (1,), "fit"),
+    "16-fsdp": [("collectives", (2,), "fit"), ("FSDP", (2,), "fit"), ("one process", (1,), "fit"),
                 ("counted: reshard_after_forward None, False", (2,), "fit"), ("exercise 2: one unit", (2,), "fit"),
                 ("exercise 3: rings", (2, 3, 4), "fit")],
-    "15b-fsdp-in-production": [("FSDP with the recipe", (2,), "fit"), ("one process", (1,), "fit"),
+    "17-fsdp-in-production": [("FSDP with the recipe", (2,), "fit"), ("one process", (1,), "fit"),
                                ("measured: defaults, recipe, 16-bit", (2,), "fit"),
                                ("float32 and 16-bit from the same start", (2,), "fit"), ("HSDP (2, 2)", (4,), "fit"),
                                ("HSDP counted", (4,), "fit"), ("exercise 1: every other block", (2,), "fit"),
                                ("exercise 2: not divided", (2,), "fit")],
-    "16-distributed-checkpoints": [("state dicts", (2,), "fit"), ("save", (2,), "fit"),
+    "18-distributed-checkpoints": [("state dicts", (2,), "fit"), ("save", (2,), "fit"),
                                    ("resume at 2, 1, 3", (2, 1, 3), "fit"), ("async save", (2,), "fit"),
                                    ("exercise 4: timing", (2,), "fit")],
-    "17-tensor-parallel": [("reference", (1,), "fit"), ("by hand", (2,), "fit"), ("DTensor", (2,), "fit"),
+    "19-tensor-parallel": [("reference", (1,), "fit"), ("by hand", (2,), "fit"), ("DTensor", (2,), "fit"),
                            ("reference float32", (1,), "fit"), ("DTensor float32", (2,), "fit"),
                            ("2-D mesh (2, 2)", (4,), "fit"), ("exercise 1: 4 tp", (4,), "fit"),
                            ("exercise 2: plain", (2,), "fit")],
-    "20-gpt-capstone": [("reference", (1,), "fit"), ("meshes (pp, dp, tp)", (8, 4), "fit"),
+    "21-gpt-capstone": [("reference", (1,), "fit"), ("meshes (pp, dp, tp)", (8, 4), "fit"),
                         ("collectives counted (1, 2, 2)", (4,), "fit"), ("exercise 1: GPipe", (8,), "fit")],
-    "21-context-parallel": [("one process", (1,), "fit"), ("cp, then (dp, cp) = (2, 2)", (4,), "fit"),
+    "23-context-parallel": [("one process", (1,), "fit"), ("cp, then (dp, cp) = (2, 2)", (4,), "fit"),
                             ("imbalance timed", (4,), "fit"), ("overlap timed", (4,), "fit"),
                             ("torch context_parallel", (4,), "fit"), ("exercise 1: one process", (1,), "fit"),
                             ("exercise 1: 3 and 8 ranks", (3, 8), "fit"), ("exercise 2: broken", (4,), "fit")],
-    "22-expert-parallel": [("train: dense, no balancing, aux loss, bias", (1,), "fit")],
-    "22b-expert-parallel-fsdp": [("EP × FSDP (2, 2)", (4,), "fit"), ("exercise 1: ep 1", (4,), "fit"),
+    "24-mixture-of-experts": [("train: dense, no balancing, aux loss, bias", (1,), "fit")],
+    "25-expert-parallel": [("EP × FSDP (2, 2)", (4,), "fit"), ("exercise 1: ep 1", (4,), "fit"),
                                  ("exercise 2: no divide factor", (4,), "fit"), ("exercise 3: capacity", (4,), "fit")],
-    "19-torch-compile": [("capture the forward", (1,), "fit"), ("graph breaks", (1,), "fit"),
+    "20-torch-compile": [("capture the forward", (1,), "fit"), ("graph breaks", (1,), "fit"),
                          ("DDP graphs, two caps", (2,), "fit"), ("FSDP2, blocks compiled", (2,), "fit"),
                          ("timed, eager and compiled", (2,), "fit"), ("float64, compiled and eager", (2,), "fit"),
                          ("exercise 1: cap 25", (2,), "fit"), ("exercise 2: three lengths", (1,), "fit"),
@@ -396,7 +396,7 @@ def test_each_rank_of_each_launch_gets_its_device_and_backend(machine, notebook)
 
 @pytest.mark.parametrize("machine", MACHINES, indirect=True)
 def test_notebook_19_plans_each_launch_and_compiles_for_its_ranks_device(machine, monkeypatch):
-    """19's setup cell, run on each mocked machine: its launch options place every launch as LAUNCHES says (one GPU
+    """20's setup cell, run on each mocked machine: its launch options place every launch as LAUNCHES says (one GPU
     per rank over NCCL where W fits, else CPU ranks over gloo), and the compile backend is checked for the device
     the compiled (W-rank) launches compute on. Before: 1xH100 put its one-process captures on cuda:0 over gloo and
     its 2-rank launches on a shared cuda:0 (backend="gloo"), while the rank functions computed on the CPU."""
@@ -406,10 +406,10 @@ def test_notebook_19_plans_each_launch_and_compiles_for_its_ranks_device(machine
     monkeypatch.setattr(compiler, "pick_backend", lambda device_type="cpu": asked.append(device_type) or ("x", "y"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")  # cell 1 points it at a fresh folder; restored after
     scope = {}
-    exec(compile(_code_cells("19-torch-compile")[0], "19, cell 1", "exec"), scope)
+    exec(compile(_code_cells("20-torch-compile")[0], "19, cell 1", "exec"), scope)
     options = {k: scope["QUIET"].get(k) for k in ("plan", "backend")}
     n = USABLE[machine]
-    for what, worlds, _ in LAUNCHES["19-torch-compile"]:
+    for what, worlds, _ in LAUNCHES["20-torch-compile"]:
         for w in worlds:
             p = launch_plan(w, **options)
             on_gpus = w <= n
@@ -424,7 +424,7 @@ def test_on_two_t4s_the_issue_s_launches_land_where_it_says(machine):
     def where(w):
         p = launch_plan(w, plan=devices.plan_launch)
         return {d.type for d in p.devices}, p.backend
-    assert where(2) == ({"cuda"}, "nccl")  # 15's FSDP, 16's save, 17's TP, 22's EP: both GPUs
+    assert where(2) == ({"cuda"}, "nccl")  # 16's FSDP, 18's save, 19's TP, 24's EP: both GPUs
     assert where(1) == ({"cuda"}, "nccl")  # the one-process references
     assert where(4) == ({"cpu"}, "gloo") and where(3) == ({"cpu"}, "gloo")  # the (2, 2) meshes, the 3-rank reshard
 

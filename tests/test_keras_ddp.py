@@ -100,7 +100,7 @@ def test_seed_all_seeds_what_keras_set_random_seed_seeds():
 
 
 def test_keras_computes_float64_as_float32_on_torch():
-    # notebook 18, cell 17: why its check is one float32 step and not float64
+    # notebook 26, cell 17: why its check is one float32 step and not float64
     assert keras.backend.result_type("float64", "float64") == "float32"
 
 
@@ -124,7 +124,7 @@ def test_keras_imports_tensorflow_to_seed_and_to_save_where_it_is_installed(tmp_
 
 
 @pytest.mark.parametrize("prelude", ["keras = K.keras_torch()\n",  # the tests' way
-                                     "import os\nos.environ['KERAS_BACKEND'] = 'torch'\nimport keras\n"])  # 18's
+                                     "import os\nos.environ['KERAS_BACKEND'] = 'torch'\nimport keras\n"])  # 26's
 def test_the_course_builds_trains_saves_and_loads_without_importing_tensorflow(tmp_path, prelude):
     stub = _stub_tensorflow(tmp_path)
     code = ("import sys, torch\n"
@@ -177,7 +177,7 @@ def test_save_atomic_refuses_another_suffix(tmp_path):
 
 
 def test_two_ranks_in_the_guides_mode_take_one_processs_step_on_the_global_batch(images):
-    # notebook 18, cell 17: one float32 step (Keras on torch computes float64 as float32), weights within 1e-4
+    # notebook 26, cell 17: one float32 step (Keras on torch computes float64 as float32), weights within 1e-4
     fn = functools.partial(K.keras_steps, training=None, dropout=0.0, optimizer="sgd")
     out = launch(fn, 2, images, 1, 16, 0.05, quiet=True, progress=False)
     ref = launch(functools.partial(fn, use_ddp=False), 1, images, 1, 32, 0.05, quiet=True, progress=False)[0]

@@ -1,7 +1,7 @@
-"""What notebook 07 exports: which precisions a device offers; and fp16's underflow, which its text and figure state.
+"""What notebook 08 exports: which precisions a device offers; and fp16's underflow, which its text and figure state.
 
 The autocast/GradScaler step, the LR warm-up and the race are defined and asserted in
-notebooks/07-large-batch.ipynb itself (CI runs it); what stays here is its exported rule, checked without a
+notebooks/08-large-batch.ipynb itself (CI runs it); what stays here is its exported rule, checked without a
 GPU: capabilities are mocked, CPU flags read from a file that $MULTIGPU_CPUINFO points to.
 """
 
@@ -39,7 +39,7 @@ def test_a_gpu_offers_bf16_from_compute_capability_8_and_always_fp16(monkeypatch
 
 
 def test_fp16_underflows_below_half_its_smallest_subnormal_and_a_scaled_gradient_survives():
-    """07's claim, and its figure's: fp16's smallest number is 2**-24; above 2**-25 rounds up to it, 2**-25 and below to 0."""
+    """08's claim, and its figure's: fp16's smallest number is 2**-24; above 2**-25 rounds up to it, 2**-25 and below to 0."""
     tiny = 2.0**-24
     assert torch.tensor(tiny).half().item() == tiny == torch.finfo(torch.float16).smallest_normal * 2.0**-10
     assert torch.tensor(2**-25 * 1.01).half().item() == tiny

@@ -1,6 +1,6 @@
 """helpers.loading: the augmented dataset and the loader benchmark; launch removing the workers of forked ranks.
 
-The DataLoader settings and the DDP rank with workers are written in notebooks/11-data-loading.ipynb, whose
+The DataLoader settings and the DDP rank with workers are written in notebooks/12-data-loading.ipynb, whose
 asserts check them (CI runs it); here a plain DataLoader stands in for the notebook's."""
 
 import os

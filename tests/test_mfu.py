@@ -1,4 +1,4 @@
-"""helpers.mfu: datasheet peaks matched by model and by the precision that runs, and notebook 20's run sized from
+"""helpers.mfu: datasheet peaks matched by model and by the precision that runs, and notebook 21's run sized from
 the GPUs that devices.plan would use, on four machines with mocked GPUs (issue 44, item 4)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Notebook 22's mixture of experts in one process (helpers/moe.py): the router's top-k and weights, the capacity
+"""Notebook 24's mixture of experts in one process (helpers/moe.py): the router's top-k and weights, the capacity
 cut and its order, dropless routing, DeepSeek-V3's bias, Switch's load-balancing loss, the grouped experts against a
 loop, the MoE's output against a per-token sum, and the bias update."""
 
@@ -186,7 +186,7 @@ def test_the_all_to_all_figure_is_what_route_draws():
 
 
 def test_torch_s_public_grouped_mm_equals_the_loop_in_float32_and_refuses_float64():
-    """Notebook 22 pads instead of calling F.grouped_mm (public since 2.11) because its checks run in float64."""
+    """Notebook 24 pads instead of calling F.grouped_mm (public since 2.11) because its checks run in float64."""
     import pytest
     import torch.nn.functional as F
 

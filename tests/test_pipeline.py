@@ -1,4 +1,4 @@
-"""Pipelines that run, at test size: the code of notebooks 09 and 10 (exported into helpers.pipeline), on the GPT.
+"""Pipelines that run, at test size: the code of notebooks 10 and 11 (exported into helpers.pipeline), on the GPT.
 Every backward pass happens in a launched rank: a backward here would poison later GPU forks."""
 
 import ast
@@ -155,8 +155,8 @@ def test_model_and_data_parallel_equal_one_big_batch():
 
 
 def test_hybrid_steps_is_the_notebook_s_solution_word_for_word():
-    """helpers.pipeline.hybrid_steps is a copy of notebook 10's solution to exercise 4 (a solution is not exported)."""
-    cells = json.loads((ROOT / "notebooks" / "10-pipelines.ipynb").read_text())["cells"]
+    """helpers.pipeline.hybrid_steps is a copy of notebook 11's solution to exercise 4 (a solution is not exported)."""
+    cells = json.loads((ROOT / "notebooks" / "11-pipelines.ipynb").read_text())["cells"]
     src = next("".join(c["source"]) for c in cells if "def hybrid_steps" in "".join(c["source"]))
     in_cell = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "hybrid_steps")
     in_helpers = ast.parse(inspect.getsource(pipeline.hybrid_steps)).body[0]

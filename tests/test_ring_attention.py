@@ -1,6 +1,6 @@
-"""helpers.ring_attention: notebook 21's exported ring attention, checked on its own.
+"""helpers.ring_attention: notebook 23's exported ring attention, checked on its own.
 
-The notebook checks the ring inside the GPT's attention on 4 ranks (tests/test_equivalence_21.py reruns that with
+The notebook checks the ring inside the GPT's attention on 4 ranks (tests/test_equivalence_23.py reruns that with
 perturbed rounding); these tests check the pieces: the layouts cover the sequence once, the block counts the
 notebook prints, the log-sum-exp merge, the ring forward and backward against SDPA on 2 and 3 ranks, both
 layouts, where W does not equal the notebook's, the overlapped ring equal to the plain one bit for bit, the ring on

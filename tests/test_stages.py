@@ -1,4 +1,4 @@
-"""The GPT cut in stages (exported from notebook 09), the stage planners (GPU counts mocked), schedules on paper."""
+"""The GPT cut in stages (exported from notebook 10), the stage planners (GPU counts mocked), schedules on paper."""
 
 import matplotlib
 
@@ -110,7 +110,7 @@ def test_pipeline_ranks_and_their_stage_times_share_one_device(n_gpus, expect, k
     assert stages.plan_pipeline(2).devices == plan.devices  # what pp_rank reads in each rank
     if n_gpus == 1:
         assert "CPU" in plan.sentence and "measured on CPU" in plan.sentence
-        # the one-process plan of notebook 09 would put both stages on the GPU: a different device
+        # the one-process plan of notebook 10 would put both stages on the GPU: a different device
         assert stages.plan_stages(2).devices != plan.devices
 
 
@@ -177,7 +177,7 @@ def test_notebook_10_header_says_where_its_ranks_run_with_one_gpu(monkeypatch):
     import json
     from pathlib import Path
 
-    nb = json.loads((Path(__file__).resolve().parent.parent / "notebooks" / "10-pipelines.ipynb").read_text())
+    nb = json.loads((Path(__file__).resolve().parent.parent / "notebooks" / "11-pipelines.ipynb").read_text())
     runs_on = next(line for line in "".join(nb["cells"][0]["source"]).splitlines() if line.startswith("Runs on:"))
     assert "1 GPU ✓ (pipeline ranks on the CPU; the two DDP replicas share the GPU)" in runs_on, runs_on
     monkeypatch.setattr(stages, "gpu_count", lambda: 1)

@@ -1,4 +1,4 @@
-"""The byte-level corpus (helpers/text.py, introduced in notebooks/08-memory.ipynb): refusals that name where the
+"""The byte-level corpus (helpers/text.py, introduced in notebooks/09-memory.ipynb): refusals that name where the
 loader looked and the fix, the stdlib corpus, splits, windows and the byte codec."""
 
 import sys

@@ -61,7 +61,7 @@ def test_bf16_autocast_runs_on_cpu():
     assert math.isfinite(stats.loss)
     with pytest.raises(ValueError, match="amp"):
         train.autocast("cpu", "fp8")
-    # one definition (exported from 07): a scaler for fp16 on any device, none for bf16 and fp32
+    # one definition (exported from 08): a scaler for fp16 on any device, none for bf16 and fp32
     assert isinstance(train.make_scaler("cpu", "fp16"), torch.amp.GradScaler)
     assert train.make_scaler("cpu", "bf16") is None and train.make_scaler("cuda:0", None) is None
 

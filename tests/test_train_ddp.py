@@ -254,7 +254,7 @@ def test_marked_parts_the_notebook_prints_are_there():
 
 def test_every_torch_load_in_notebook_10_maps_to_the_cpu():
     # a checkpoint a GPU rank wrote, loaded without map_location, starts CUDA in the kernel: every later launch fails
-    nb = Path(__file__).resolve().parent.parent / "notebooks" / "13-torchrun-and-clusters.ipynb"
+    nb = Path(__file__).resolve().parent.parent / "notebooks" / "14-torchrun-and-clusters.ipynb"
     loads = 0
     for cell in json.loads(nb.read_text())["cells"]:
         src = "".join(cell["source"])

@@ -1,7 +1,7 @@
-"""scripts/train_gpt.py under torchrun: 8 workers as pp=2 x dp=2 x tp=2 (1F1B stages, 17's sequence-parallel plan,
+"""scripts/train_gpt.py under torchrun: 8 workers as pp=2 x dp=2 x tp=2 (1F1B stages, 19's sequence-parallel plan,
 FSDP2, clipping), periodic async DCP checkpoints, an exact resume on other meshes (AdamW's state loaded bit for bit,
 the losses after it equal in float64), its sizing from the device, and helpers.mfu's peaks and arithmetic
-(notebooks/20-gpt-capstone.ipynb)."""
+(notebooks/21-gpt-capstone.ipynb)."""
 
 from __future__ import annotations
 

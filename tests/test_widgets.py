@@ -39,7 +39,7 @@ def once_stepping(action):
 
 
 def test_a_stopped_run_whose_partial_is_not_a_result_is_not_drawn():
-    """launch's own Stopped carries the ranks' events ({rank: ...}), not run_fn's result: found in 07 by the browser
+    """launch's own Stopped carries the ranks' events ({rank: ...}), not run_fn's result: found in 08 by the browser
     test, where compare(partial) raised KeyError and left the panel saying "stopping…" for good."""
     def stopped_by_launch(a, stop):
         raise helpers.Stopped("stopped on request", partial={0: {"step": 3}, 1: {"step": 3}})

@@ -1,5 +1,5 @@
-"""Notebook 14's Flight Recorder cells, at test size: the variables of NCCL's recorder (on by default), and the command
-line of torch's analyzer (exported from notebooks/14-debugging-distributed.ipynb into helpers.torchrun). The NCCL
+"""Notebook 15's Flight Recorder cells, at test size: the variables of NCCL's recorder (on by default), and the command
+line of torch's analyzer (exported from notebooks/15-debugging-distributed.ipynb into helpers.torchrun). The NCCL
 hang that uses them (exercise 6's solution) runs only with two GPUs; these checks run everywhere."""
 
 import subprocess
@@ -72,7 +72,7 @@ for batch in DataLoader(Reads(), batch_size=2, num_workers=1, timeout=float(sys.
 @pytest.mark.parametrize("mode, timeout, message", [("dies", 0, "exited unexpectedly"),
                                                      ("stuck", 2, "DataLoader timed out after 2")])
 def test_a_dead_dataloader_worker_raises_and_a_stuck_one_raises_only_with_a_timeout(tmp_path, mode, timeout, message):
-    """Notebook 14, section 4: a worker that died is an error in the main process within seconds (dataloader.py
+    """Notebook 15, section 4: a worker that died is an error in the main process within seconds (dataloader.py
     checks its workers every MP_STATUS_CHECK_INTERVAL = 5 s), so that rank crashes and its peers wait; a stuck worker
     hangs the rank unless DataLoader(timeout=...) is set, which turns it into an error."""
     from torch.utils.data import _utils
@@ -88,7 +88,7 @@ def test_a_dead_dataloader_worker_raises_and_a_stuck_one_raises_only_with_a_time
 
 
 def test_the_flight_recorder_records_by_default_and_on_2_15_gloo_records_too():
-    """Notebook 14, section 7: 2000 entries unless TORCH_FR_BUFFER_SIZE / TORCH_NCCL_TRACE_BUFFER_SIZE say otherwise,
+    """Notebook 15, section 7: 2000 entries unless TORCH_FR_BUFFER_SIZE / TORCH_NCCL_TRACE_BUFFER_SIZE say otherwise,
     and on torch 2.15 gloo's collectives land in the recorder as well (only the dump on timeout is NCCL's)."""
     script = (
         "import json, os, torch, torch.distributed as dist\n"

@@ -1,21 +1,21 @@
-"""Notebooks 22 and 22b's equivalence checks, rerun with their rounding perturbed (tests/perturb.py).
-(notebooks/22-expert-parallel.ipynb, notebooks/22b-expert-parallel-fsdp.ipynb)
+"""Notebooks 24 and 25's equivalence checks, rerun with their rounding perturbed (tests/perturb.py).
+(notebooks/24-mixture-of-experts.ipynb, notebooks/25-expert-parallel.ipynb)
 
 22, "All experts in one computation": the experts as one padded ``baddbmm`` (``Experts``) against a loop over the
-experts, in float64, < 1e-10 of the output's scale. 22b, "The same numbers, checked": one step of the MoE-GPT under
+experts, in float64, < 1e-10 of the output's scale. 25, "The same numbers, checked": one step of the MoE-GPT under
 EP × FSDP on an ("edp", "ep") mesh (2 × 2; and ep = 1, exercise 1; and with a capacity, exercise 3) against the same
 model in one process on every rank's batch, in float64: the loss and every gradient < 1e-10, the same routes, and a
 margin between ranked router probabilities far above rounding. Each runs here with the notebooks' own code (exported
-to helpers/moe.py) at 22b's smoke sizes, for every rounding in ``ROUNDINGS``. The last tests show the bound and the
+to helpers/moe.py) at 25's smoke sizes, for every rounding in ``ROUNDINGS``. The last tests show the bound and the
 margin can fail (float32, no gradient divide factor, a tied router), and that the hand-written ``AllToAll`` equals
-torch's ``all_to_all_single_autograd`` (which 22b names but, its module being private, does not call).
+torch's ``all_to_all_single_autograd`` (which 25 names but, its module being private, does not call).
 """
 
 import pytest
 from perturb import ROUNDINGS, nudge_, perturbed, run_check
 
-TOL, MARGIN = 1e-10, 1e-9  # notebooks 22 and 22b
-E, K, HIDDEN, SHARED, EP, W, BATCH, SEQ = 4, 2, 32, 64, 2, 4, 2, 16  # 22b's smoke sizes (d 32, 2 layers, 2 heads)
+TOL, MARGIN = 1e-10, 1e-9  # notebooks 24 and 25
+E, K, HIDDEN, SHARED, EP, W, BATCH, SEQ = 4, 2, 32, 64, 2, 4, 2, 16  # 25's smoke sizes (d 32, 2 layers, 2 heads)
 
 
 def _data():
@@ -29,7 +29,7 @@ def _data():
 
 
 def _make_moe_gpt(tied=False, capacity_factor=None):
-    """A builder of 22b's smoke-size MoE-GPT, as ``make_moe_gpt`` is there."""
+    """A builder of 25's smoke-size MoE-GPT, as ``make_moe_gpt`` is there."""
     import torch
 
     from helpers import gpt, moe
@@ -64,7 +64,7 @@ def _summary(runs):
 
 
 def _grouped_against_loop(threads, ulps):
-    """22's check: Experts' padded baddbmm against a loop over experts; the loop's weights nudged ``ulps``."""
+    """24's check: Experts' padded baddbmm against a loop over experts; the loop's weights nudged ``ulps``."""
     import copy
 
     import torch
@@ -99,7 +99,7 @@ def check_what_the_bound_catches(threads, ulps):
 
     from helpers.launch import RankFailed
 
-    try:  # 22b's claim: in float32 FSDP folds the divisor into a PREMUL_SUM reduce-scatter, which gloo lacks
+    try:  # 25's claim: in float32 FSDP folds the divisor into a PREMUL_SUM reduce-scatter, which gloo lacks
         _run(dtype=torch.float32)
         premul = "ran"
     except RankFailed as e:

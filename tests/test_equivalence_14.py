@@ -1,4 +1,4 @@
-"""Notebook 13's equivalence check under perturbed rounding: scripts/train_ddp.py under torchrun equals launch.
+"""Notebook 14's equivalence check under perturbed rounding: scripts/train_ddp.py under torchrun equals launch.
 
 Section 2 asserts that the script's float64 run (torchrun, 2 workers) and ``launch(ddp.ddp_steps, 2, ...,
 dtype=torch.float64)`` end < 1e-10 apart. Here the script runs once, as the notebook runs it (one thread per
@@ -22,7 +22,7 @@ from helpers import torchrun
 from perturb import ROUNDINGS, perturbed, run_check
 
 STEPS, BATCH, LR = 10, 32, 0.05
-TOLERANCE = 1e-10  # notebook 13, section 2
+TOLERANCE = 1e-10  # notebook 14, section 2
 
 
 def check(threads: int, ulps: int) -> dict:
