@@ -9,7 +9,9 @@ to its end, clicks Run, sees the progress move, clicks Stop mid-run (the rank
 processes must be gone), sets the control to its start and runs again to the
 end (drawn, no error, no process left).
 Screenshots go to $BROWSER_ARTEFACTS (default .pytest_cache/browser/). The
-notebooks run in smoke mode; BROWSER_SMOKE=0 runs them at full size.
+notebooks run in smoke mode; BROWSER_SMOKE=0 runs them at full size. For a
+learner's read, BROWSER_NOTEBOOKS=all BROWSER_PAGES=1 also pages through each
+notebook a screen at a time (<name>-pNN.png) and keeps the executed notebook.
 Skipped when no chromium or playwright is installed, unless $REQUIRE_BROWSER_TEST=1
 (.ci/run sets it), which turns the skip into a failure.
 """
@@ -46,6 +48,9 @@ RAN_CLEAN = os.environ.get("BROWSER_RAN_CLEAN")
 # Smoke mode unless BROWSER_SMOKE=0: then the notebooks run at full size, as a learner runs them (slower).
 BROWSER_SMOKE = os.environ.get("BROWSER_SMOKE", "1")
 RUN_ALL_TIMEOUT = 300 if BROWSER_SMOKE != "0" else 900  # seconds per notebook; smoke: each well under 2 minutes
+# BROWSER_PAGES=1: after Run All, screenshot the notebook a screen at a time (<name>-pNN.png) and keep the executed
+# notebook as JupyterLab saved it (<name>): what a learner reads top to bottom, outputs included.
+BROWSER_PAGES = os.environ.get("BROWSER_PAGES") == "1"
 
 
 def _why_no_browser() -> str | None:
@@ -215,6 +220,19 @@ def _saved_errors(page, lab: Lab, name: str) -> list[str]:
                        if "".join(c["source"]).strip() and c.get("execution_count") is None]
 
 
+def _page_through(page, name: str) -> None:
+    """Screenshots from the notebook's top to its end, one screen each (JupyterLab scrolls its own panel)."""
+    scroller = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-WindowedPanel-outer").first
+    scroller.evaluate("el => el.scrollTo(0, 0)")
+    for i in range(200):
+        page.wait_for_timeout(300)  # let windowed cells render
+        _shot(page, f"{name}-p{i:02d}")
+        moved = scroller.evaluate("el => { const top = el.scrollTop; el.scrollBy(0, el.clientHeight - 60); "
+                                  "return el.scrollTop > top; }")
+        if not moved:
+            break
+
+
 def _open_and_run_all(page, lab: Lab, name: str) -> None:
     page.goto(f"{lab.url}/lab/tree/notebooks/{name}?reset&token={lab.token}")
     page.wait_for_selector(".jp-Notebook .jp-CodeCell", timeout=60_000)
@@ -238,6 +256,9 @@ def _open_and_run_all(page, lab: Lab, name: str) -> None:
     print(f"{name}: Run All took {time.monotonic() - start:.0f} s")
     _shot(page, f"{name}-run-all")
     errors = _saved_errors(page, lab, name)
+    if BROWSER_PAGES:
+        _page_through(page, name)
+        shutil.copy(lab.workdir / "notebooks" / name, ARTEFACTS / name)
     assert not errors, f"{name} has error output:\n" + "\n---\n".join(errors)
 
 
