@@ -1,6 +1,6 @@
 """The machinery notebook 06 keeps in helpers: the CPU SyncBatchNorm stand-in (torch's refuses CPU tensors).
 
-The rank functions 04 teaches (set_epoch, the rank-0 save and resume, no_sync accumulation, convert_sync_batchnorm)
+The rank functions 06 teaches (set_epoch, the rank-0 save and resume, no_sync accumulation, convert_sync_batchnorm)
 are defined in its cells and checked by its asserts, which CI runs. Training runs in launched ranks only: a
 backward pass in pytest's process would break later GPU forks.
 """
