@@ -1,7 +1,8 @@
 """The course's model and what compares models.
 
 ``ConvNet``, the small network for 28x28 grey images that every notebook trains, is written in
-notebooks/01-single-gpu.ipynb and exported here (the region at the end of this file).
+notebooks/01-single-gpu.ipynb and exported here (the first region at the end of this file); ``max_param_diff``, which
+compares two models' weights or gradients, is written in notebooks/02-data-parallel.ipynb (the second region).
 """
 
 from __future__ import annotations
@@ -15,16 +16,6 @@ def count_parameters(model: nn.Module) -> int:
     Introduced in notebooks/01-single-gpu.ipynb.
     """
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-def max_param_diff(a: dict, b: dict) -> float:
-    """Largest absolute difference between two dicts of tensors (state dicts, gradients).
-
-    Introduced in notebooks/02-data-parallel.ipynb.
-    """
-    if a.keys() != b.keys():
-        raise ValueError(f"different parameters: {sorted(a.keys() ^ b.keys())}")
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point())  # float64 stays float64
 
 
 # ---- exported from notebooks/01-single-gpu.ipynb: edit it there, then run `make export` ----
@@ -49,3 +40,15 @@ class ConvNet(nn.Module):
     def forward(self, x):
         return self.fc(self.layer2(self.layer1(x)).flatten(1))
 # ---- end of export from notebooks/01-single-gpu.ipynb ----
+
+
+# ---- exported from notebooks/02-data-parallel.ipynb: edit it there, then run `make export` ----
+def max_param_diff(a: dict, b: dict) -> float:
+    """Largest absolute difference between two dicts of tensors (state dicts, gradients).
+
+    Introduced in notebooks/02-data-parallel.ipynb.
+    """
+    if a.keys() != b.keys():
+        raise ValueError(f"different parameters: {sorted(a.keys() ^ b.keys())}")
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point())  # float64 stays float64
+# ---- end of export from notebooks/02-data-parallel.ipynb ----

@@ -3,9 +3,9 @@
 ``train_one_epoch`` and ``evaluate`` are written in notebooks/01-single-gpu.ipynb and exported here (the region at
 the end of this file); every DDP rank in later notebooks runs them. The loop keeps its running loss and accuracy on
 the device (``Tally``) and reads them once per pass, so it never waits on the GPU inside a step (a
-``loss.item()`` per step would). Around them: timing sync, full-fp32 and autocast contexts, the Stop and
-LR-schedule hooks, and ``fit`` (epochs with a progress bar). ``make_scaler`` is exported from
-notebooks/08-large-batch.ipynb (the second region at the end).
+``loss.item()`` per step would). Around them: full-fp32 and autocast contexts, the Stop and LR-schedule hooks, and
+``fit`` (epochs with a progress bar). ``make_scaler`` is exported from notebooks/08-large-batch.ipynb (the second
+region at the end), and ``sync``, the wait before a clock read, from notebooks/03-collectives.ipynb (the third).
 """
 
 from __future__ import annotations
@@ -35,18 +35,6 @@ class Stats:
     @property
     def samples_per_s(self) -> float:
         return self.samples / self.seconds if self.seconds > 0 else float("inf")
-
-
-def sync(device) -> None:
-    """Wait for queued GPU work on ``device``, or on each device of a list, so a clock read afterwards is honest.
-
-    Work queued on several GPUs (nn.DataParallel's step) is finished only when every one of them is: a list syncs
-    each. Introduced in notebooks/03-collectives.ipynb.
-    """
-    for d in device if isinstance(device, (list, tuple)) else [device]:
-        d = torch.device(d)
-        if d.type == "cuda":
-            torch.cuda.synchronize(d)
 
 
 @contextlib.contextmanager
@@ -251,3 +239,17 @@ def make_scaler(device, amp):
     """
     return torch.amp.GradScaler(torch.device(device).type) if amp == "fp16" else None
 # ---- end of export from notebooks/08-large-batch.ipynb ----
+
+
+# ---- exported from notebooks/03-collectives.ipynb: edit it there, then run `make export` ----
+def sync(device) -> None:
+    """Wait for queued GPU work on ``device``, or on each device of a list, so a clock read afterwards is honest.
+
+    Work queued on several GPUs (nn.DataParallel's step) is finished only when every one of them is: a list syncs
+    each. Introduced in notebooks/03-collectives.ipynb.
+    """
+    for d in device if isinstance(device, (list, tuple)) else [device]:
+        d = torch.device(d)
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
+# ---- end of export from notebooks/03-collectives.ipynb ----
