@@ -76,31 +76,6 @@ def corpus_info(data: bytes, where: str) -> str:
     return f"{len(data):,} bytes, sha256 {hashlib.sha256(data).hexdigest()[:12]}, from {where}"
 
 
-def byte_splits(data: bytes, held_out: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, val) token tensors (uint8 → int64): the last ``held_out`` share of the bytes is held out.
-
-    Introduced in notebooks/09-memory.ipynb.
-    """
-    if not 0 < held_out < 1:
-        raise ValueError(f"held_out={held_out}: a share strictly between 0 and 1")
-    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
-    n = int(len(tokens) * (1 - held_out))
-    return tokens[:n], tokens[n:]
-
-
-def random_windows(tokens: torch.Tensor, batch: int, seq_len: int, generator: torch.Generator | None = None):
-    """A batch of (input, target) windows: ``batch`` random starts, targets shifted by one byte.
-
-    Introduced in notebooks/09-memory.ipynb.
-    """
-    if len(tokens) <= seq_len + 1:
-        raise ValueError(f"{len(tokens)} tokens cannot hold a window of {seq_len} + 1")
-    starts = torch.randint(0, len(tokens) - seq_len - 1, (batch,), generator=generator)
-    idx = starts[:, None] + torch.arange(seq_len + 1)
-    w = tokens[idx]
-    return w[:, :-1], w[:, 1:]
-
-
 def decode(tokens) -> str:
     """Bytes back to text (a cut in the middle of a UTF-8 character shows as �).
 
@@ -116,3 +91,29 @@ def encode(text: str) -> torch.Tensor:
     Machinery behind decode's round-trip test; no notebook calls it directly.
     """
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+
+
+# ---- exported from notebooks/09-memory.ipynb: edit it there, then run `make export` ----
+def byte_splits(data: bytes, held_out: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, val) token tensors (uint8 → int64): the last ``held_out`` share of the bytes is held out.
+
+    Introduced in notebooks/09-memory.ipynb.
+    """
+    if not 0 < held_out < 1:
+        raise ValueError(f"held_out={held_out}: a share strictly between 0 and 1")
+    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()  # a token per byte
+    n = int(len(tokens) * (1 - held_out))
+    return tokens[:n], tokens[n:]
+
+
+def random_windows(tokens: torch.Tensor, batch: int, seq_len: int, generator: torch.Generator | None = None):
+    """A batch of (input, target) windows: ``batch`` random starts, targets shifted by one byte.
+
+    Introduced in notebooks/09-memory.ipynb.
+    """
+    if len(tokens) <= seq_len + 1:
+        raise ValueError(f"{len(tokens)} tokens cannot hold a window of {seq_len} + 1")
+    starts = torch.randint(0, len(tokens) - seq_len - 1, (batch,), generator=generator)
+    w = tokens[starts[:, None] + torch.arange(seq_len + 1)]  # batch rows of seq_len + 1 consecutive bytes
+    return w[:, :-1], w[:, 1:]
+# ---- end of export from notebooks/09-memory.ipynb ----
