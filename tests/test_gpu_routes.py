@@ -216,7 +216,7 @@ def test_notebook_12_child_functions_start_no_cuda_on_gpus_this_torch_cannot_run
 
 # ---- notebook 20: a compile in the notebook's own process starts CUDA on a GPU machine (found on an H200) ----
 
-NB19 = ROOT / "notebooks" / "20-torch-compile.ipynb"
+NB20 = ROOT / "notebooks" / "20-torch-compile.ipynb"
 # run first in a child: CUDA looks available to THIS process (as on a GPU machine), and whatever would initialise
 # CUDA here (every path goes through torch._C._cuda_init: torch.cuda._lazy_init) is recorded with its caller and
 # refused. Processes forked from it see the real machine (no GPU), so the notebook's launches run as in CI.
@@ -256,11 +256,11 @@ def test_a_compile_on_cpu_tensors_initialises_cuda_where_cuda_is_available():
     assert "random.py:get_rng_state" in stack and "convert_frame.py:_fn" in stack, stack
 
 
-def test_notebook_19_compiles_nothing_in_its_own_process():
+def test_notebook_20_compiles_nothing_in_its_own_process():
     """The cells that compile with the recording backend (1, the forward, graph breaks, solutions 2 and 3) run in
     the notebook's process with CUDA "available": none may start CUDA there, or every later launch is refused.
     Before the fix, cell 3 compiled in the notebook's process (CUDA_INITS non-empty)."""
-    cells = [c for c in json.loads(NB19.read_text())["cells"] if c["cell_type"] == "code"]
+    cells = [c for c in json.loads(NB20.read_text())["cells"] if c["cell_type"] == "code"]
     chosen = [cells[0]] + [c for c in cells[1:] if "recording" in "".join(c["source"])
                            and "DDP(" not in "".join(c["source"]) and "fsdp_rank" not in "".join(c["source"])]
     assert len(chosen) == 5, len(chosen)  # setup, forward, graph breaks, solutions 2 and 3
@@ -365,8 +365,9 @@ def test_every_launch_of_the_notebook_is_planned_per_launch(notebook):
     calls = [_call_text(cell, m.end()) for cell in cells for m in re.finditer(r"(?<![\w.])launch\(", cell)
              if not cell[cell.rfind("\n", 0, m.start()) + 1:m.start()].lstrip().startswith("#")]
     assert len(calls) == len(LAUNCHES[notebook]), calls  # the table lists every launch of the notebook
-    options = re.search(r"^(RUN|QUIET) = dict\((.*)\)", cells[0], re.M)
-    assert options and "plan=devices.plan_launch" in options.group(2), "launch options must plan per launch"
+    options = re.search(r"^(RUN|QUIET) = dict\(", cells[0], re.M)  # its arguments may span lines
+    assert options and "plan=devices.plan_launch" in _call_text(cells[0], options.end()), \
+        "launch options must plan per launch"
     for line, (_, _, how) in zip(calls, LAUNCHES[notebook]):
         if how == "fit":
             assert f"**{options.group(1)}" in line, line
@@ -395,7 +396,7 @@ def test_each_rank_of_each_launch_gets_its_device_and_backend(machine, notebook)
 
 
 @pytest.mark.parametrize("machine", MACHINES, indirect=True)
-def test_notebook_19_plans_each_launch_and_compiles_for_its_ranks_device(machine, monkeypatch):
+def test_notebook_20_plans_each_launch_and_compiles_for_its_ranks_device(machine, monkeypatch):
     """20's setup cell, run on each mocked machine: its launch options place every launch as LAUNCHES says (one GPU
     per rank over NCCL where W fits, else CPU ranks over gloo), and the compile backend is checked for the device
     the compiled (W-rank) launches compute on. Before: 1xH100 put its one-process captures on cuda:0 over gloo and
@@ -406,7 +407,7 @@ def test_notebook_19_plans_each_launch_and_compiles_for_its_ranks_device(machine
     monkeypatch.setattr(compiler, "pick_backend", lambda device_type="cpu": asked.append(device_type) or ("x", "y"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")  # cell 1 points it at a fresh folder; restored after
     scope = {}
-    exec(compile(_code_cells("20-torch-compile")[0], "19, cell 1", "exec"), scope)
+    exec(compile(_code_cells("20-torch-compile")[0], "20, cell 1", "exec"), scope)
     options = {k: scope["QUIET"].get(k) for k in ("plan", "backend")}
     n = USABLE[machine]
     for what, worlds, _ in LAUNCHES["20-torch-compile"]:
