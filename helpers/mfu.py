@@ -144,6 +144,24 @@ def cpu_matmul_rate(n: int = 2048, repeats: int = 7, dtype=torch.float32, thread
     return MatmulRate(statistics.median(rates), min(rates), max(rates), n, threads, str(dtype).replace("torch.", ""))
 
 
+def run_peak(device: torch.device, world: int, dtype: torch.dtype, given: float | None = None
+             ) -> tuple[float | None, str]:
+    """(peak FLOP/s of a run's devices together, its label): every GPU's datasheet figure for ``dtype``'s precision.
+
+    float32 is divided by plain FP32 unless TF32 is on (``matmul_precision``), never by the bf16 figure. CPU workers
+    share one machine, whose rate only ``given`` (one device's peak, scripts/train_gpt.py's --peak-flops) supplies.
+    Machinery behind scripts/train_gpt.py's MFU; no notebook calls it directly.
+    """
+    gpus = world if device.type == "cuda" else 1
+    if given:
+        return given * gpus, f"given (--peak-flops) x {gpus}"
+    if device.type != "cuda":
+        return None, "not given"
+    precision = matmul_precision(dtype)
+    found = datasheet_peak(torch.cuda.get_device_name(device), precision)
+    return (found[0] * gpus, f"datasheet dense {precision} x {gpus}") if found else (None, f"no {precision} datasheet")
+
+
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:
     """Model FLOPs utilisation: tokens/s x FLOPs per token (the model's count) over the peak FLOP/s.
 

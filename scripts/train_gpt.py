@@ -70,7 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="DCP checkpoints go to DIR/step-K")
     p.add_argument("--save-every", type=int, default=0, help="a checkpoint every N steps (0: none)")
     p.add_argument("--async-save", action="store_true", help="dcp.async_save: write while training goes on")
-    p.add_argument("--dump-state", type=Path, default=None, help="torch.save the whole state at saves, load, end")
+    p.add_argument("--dump-state", type=Path, default=None, help="DCP copies (blocking) of the state at saves, load")
     p.add_argument("--resume", type=Path, default=None, help="a DIR/step-K to resume from (any mesh)")
     p.add_argument("--stop-at", type=int, default=None, help="stop after this step (the schedule stays --steps')")
     p.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (0: at the end only)")
@@ -292,24 +292,12 @@ def lr_at(step: int, size: dict) -> float:  # linear warm-up over a tenth of the
 META = ("n_layer", "n_head", "d_model", "seq_len", "batch", "lr", "steps", "max_norm")
 
 
-def dump_state(model, optimizer, mesh, folder: Path) -> None:
-    # the whole model and AdamW state of this stage (gathered over dp and tp), for the notebook's checks
-    whole = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=whole)
-    if mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-        state = {name: {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in sd.items()}
-                 for name, sd in (("model", model_sd), ("optim", optim_sd))}
-        torch.save(state, folder / f"stage-{mesh['pp'].get_local_rank()}.pt")
-    dist.barrier()
-
-
 class Saver:  # periodic checkpoints, blocking or async (a save, and the run's end, wait for the previous write)
     def __init__(self, args, size):
         self.args, self.meta, self.pending = args, {k: size[k] for k in META[:-1]} | {"max_norm": args.max_norm}, None
         self.group = dist.new_group(backend="gloo") if args.async_save else None  # the writer thread's own
 
-    def save(self, model, optimizer, step, mesh) -> None:
+    def save(self, model, optimizer, step) -> None:
         t0 = time.perf_counter()
         self.wait()
         folder = self.args.checkpoint_dir / f"step-{step}"
@@ -319,8 +307,8 @@ class Saver:  # periodic checkpoints, blocking or async (a save, and the run's e
             folder.mkdir(parents=True, exist_ok=True)
             (folder / "course.json").write_text(json.dumps({"step": step, "seed": self.args.seed, **self.meta}))
         emit(dist.get_rank(), event="save", step=step, blocking=self.group is None, waited=time.perf_counter() - t0)
-        if self.args.dump_state:
-            dump_state(model, optimizer, mesh, self.args.dump_state / f"saved-{step}")
+        if self.args.dump_state:  # the state as it is now, for the checks that read it whole (notebook 22, tests)
+            save_checkpoint(model, optimizer, self.args.dump_state / f"saved-{step}")
 
     def wait(self) -> None:
         if self.pending is not None:
@@ -328,14 +316,14 @@ class Saver:  # periodic checkpoints, blocking or async (a save, and the run's e
         self.pending = None
 
 
-def resume(model, optimizer, args, size, mesh) -> int:
+def resume(model, optimizer, args, size) -> int:
     meta = json.loads((args.resume / "course.json").read_text())
     mine = {k: size[k] for k in META[:-1]} | {"max_norm": args.max_norm}
     if {k: meta[k] for k in mine} != mine or meta["seed"] != args.seed:
         raise SetupError(f"{args.resume} was written with {meta}; this run has {mine}, seed {args.seed}")
     load_checkpoint(model, optimizer, args.resume)
-    if args.dump_state:
-        dump_state(model, optimizer, mesh, args.dump_state / f"loaded-{meta['step']}")
+    if args.dump_state:  # what the load put in this run's layout
+        save_checkpoint(model, optimizer, args.dump_state / f"loaded-{meta['step']}")
     return meta["step"]
 
 
@@ -353,12 +341,12 @@ def train(args) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=size["lr"], weight_decay=0.1, betas=(0.9, 0.95))
     # the whole model's FLOPs, PaLM's count (6N + 12LHQT): not the QK^T a fused kernel's backward recomputes
     flops_per_token = train_flops_per_token(cfg, cfg.seq_len, matmul_params(GPT(cfg)), fused_attention=False)
-    peak, peak_label = peak_of(args, device, dist.get_world_size(), dtype)
+    peak, peak_label = mfu.run_peak(device, dist.get_world_size(), dtype, args.peak_flops)
     emit(rank, event="start", world=dist.get_world_size(), pp=args.pp, dp=dp, tp=args.tp, micro=args.micro,
          device=str(device), backend=dist.get_backend(), dtype=str(dtype).replace("torch.", ""), size=size,
          compile=args.compile, ac=not args.no_ac, flops_per_token=flops_per_token, peak_flops=peak, peak=peak_label)
     saver = Saver(args, size)
-    step = resume(model, optimizer, args, size, mesh) if args.resume else 0
+    step = resume(model, optimizer, args, size) if args.resume else 0
     if step == 0:
         emit(rank, event="eval", step=0, val=held_out(model, evaluator, val_tokens, size, args, mesh, device))
     tokens, t_start = size["batch"] * cfg.seq_len, time.perf_counter()
@@ -376,24 +364,11 @@ def train(args) -> None:
         if args.eval_every and step % args.eval_every == 0 and step < stop:
             emit(rank, event="eval", step=step, val=held_out(model, evaluator, val_tokens, size, args, mesh, device))
         if args.save_every and step % args.save_every == 0:
-            saver.save(model, optimizer, step, mesh)
+            saver.save(model, optimizer, step)
     seconds = time.perf_counter() - t_start
     saver.wait()  # the last async save is written before the run ends
     emit(rank, event="eval", step=step, val=held_out(model, evaluator, val_tokens, size, args, mesh, device))
-    if args.dump_state:
-        dump_state(model, optimizer, mesh, args.dump_state / f"final-{step}")
     emit(rank, event="done", step=step, seconds=seconds)
-
-
-def peak_of(args, device, world: int, dtype: torch.dtype) -> tuple[float | None, str]:
-    # every GPU's datasheet peak for the precision the matmuls run in (bf16; float32: plain FP32 unless TF32 is on,
-    # never the bf16 figure); CPU workers share one machine, whose rate only --peak-flops gives
-    gpus = world if device.type == "cuda" else 1
-    if args.peak_flops or device.type != "cuda":
-        return (args.peak_flops * gpus, f"given (--peak-flops) x {gpus}") if args.peak_flops else (None, "not given")
-    precision = mfu.matmul_precision(dtype)
-    found = mfu.datasheet_peak(torch.cuda.get_device_name(device), precision)
-    return (found[0] * gpus, f"datasheet dense {precision} x {gpus}") if found else (None, f"no {precision} datasheet")
 
 
 def main(argv=None) -> int:

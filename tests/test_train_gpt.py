@@ -5,6 +5,7 @@ the losses after it equal in float64), its sizing from the device, and helpers.m
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import types
@@ -13,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from helpers import mfu, torchrun
 
@@ -54,9 +56,10 @@ def _left_over(path) -> list:
 
 
 def _whole_state(folder: Path) -> dict:
-    """The stages' dumps merged: the whole GPT's weights and AdamW state by parameter name."""
-    parts = [torch.load(f, map_location="cpu") for f in sorted(folder.glob("stage-*.pt"))]
-    return {k: {n: v for p in parts for n, v in p[k].items()} for k in ("model", "optim")}
+    """A DCP checkpoint read whole by this one process: the whole GPT's weights and AdamW state by parameter name."""
+    whole = folder.with_name(folder.name + ".pt")
+    dcp_to_torch_save(folder, whole)  # every worker's slices, put together (no process group)
+    return torch.load(whole, map_location="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +84,7 @@ def test_the_script_trains_on_a_3d_mesh_and_ends_its_processes(saved):
     assert [e["step"] for e in events["eval"]] == [0, 4, 8]
     assert sorted(p.name for p in (root / "ckpt" / f"step-{SAVE_AT}").iterdir()) == \
         [".metadata"] + [f"__{r}_0.distcp" for r in range(8)] + ["course.json"]
-    final = _whole_state(root / "dump" / "final-8")  # both stages' names: the whole GPT's
+    final = _whole_state(root / "ckpt" / "step-8")  # both stages' names: the whole GPT's
     assert {n.split(".")[0] for n in final["model"]} == {"tok", "pos", "blocks", "norm", "head"}
     assert not _left_over(root)
 
@@ -102,6 +105,7 @@ def test_a_resume_on_another_mesh_is_exact(saved, pp, tp, nproc, threads):
     first = resumed["start"][0]
     assert (first["pp"], first["dp"], first["tp"]) == (pp, nproc // (pp * tp), tp)
     before, after = _whole_state(root / "dump" / f"saved-{SAVE_AT}"), _whole_state(dump / f"loaded-{SAVE_AT}")
+    assert {n.split(".")[0] for n in before["model"]} == {"tok", "pos", "blocks", "norm", "head"}  # read whole
     for part in ("model", "optim"):
         assert before[part].keys() == after[part].keys()
         for key, value in before[part].items():
@@ -134,6 +138,7 @@ def test_sizes_are_chosen_from_the_device(monkeypatch):
         assert size["n_layer"] % 2 == 0 and size["seq_len"] % 2 == 0, name
     script = _script()
     args = script.parse_args(["--size", "auto"])
+    peak_of = functools.partial(mfu.run_peak, given=args.peak_flops)  # the script's call
     for memory, want in ((16 * 2**30, "gpu-16g"), (80 * 2**30, "gpu-40g")):  # a mocked GPU of that memory
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d, m=memory: types.SimpleNamespace(
             total_memory=m))
@@ -143,17 +148,17 @@ def test_sizes_are_chosen_from_the_device(monkeypatch):
     assert size["name"] == "cpu" and cfg.d_model == 96  # an override wins
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA H100 80GB HBM3")
     gpu = torch.device("cuda", 0)
-    peak, label = script.peak_of(args, gpu, 1, torch.bfloat16)
+    peak, label = peak_of(gpu, 1, torch.bfloat16)
     assert peak == 989e12 and label == "datasheet dense bf16 x 1"
-    assert script.peak_of(args, torch.device("cpu"), 8, torch.float64) == (None, "not given")
-    assert script.peak_of(args, gpu, 4, torch.bfloat16)[0] == 4 * 989e12  # the global batch on 4 GPUs
+    assert peak_of(torch.device("cpu"), 8, torch.float64) == (None, "not given")
+    assert peak_of(gpu, 4, torch.bfloat16)[0] == 4 * 989e12  # the global batch on 4 GPUs
     # float32 is divided by the peak of what runs: plain FP32 (torch's default), not the bf16 tensor cores' figure
-    assert script.peak_of(args, gpu, 1, torch.float32) == (67e12, "datasheet dense fp32 x 1")
+    assert peak_of(gpu, 1, torch.float32) == (67e12, "datasheet dense fp32 x 1")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "Tesla T4")
-    assert script.peak_of(args, gpu, 2, torch.float32) == (2 * 8.1e12, "datasheet dense fp32 x 2")
-    assert script.peak_of(args, gpu, 1, torch.bfloat16)[0] is None  # a T4 has no BF16 figure: no MFU, not fp16's
-    given = script.parse_args(["--peak-flops", "5e10"])
-    assert script.peak_of(given, torch.device("cpu"), 4, torch.float32)[0] == 5e10  # CPU workers share one rate
+    assert peak_of(gpu, 2, torch.float32) == (2 * 8.1e12, "datasheet dense fp32 x 2")
+    assert peak_of(gpu, 1, torch.bfloat16)[0] is None  # a T4 has no BF16 figure: no MFU, not fp16's
+    given = script.parse_args(["--peak-flops", "5e10"]).peak_flops
+    assert mfu.run_peak(torch.device("cpu"), 4, torch.float32, given)[0] == 5e10  # CPU workers share one rate
 
 
 def test_datasheet_peaks():
