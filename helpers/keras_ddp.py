@@ -117,12 +117,15 @@ def save_atomic(model, path) -> Path:
     return path
 
 
-def check_sizes(dataset, world_size: int, batch_size: int, steps: int, lr: float, epochs: int = 1) -> None:
+def check_sizes(dataset, world_size: int, batch_size: int, steps: int, lr: float, epochs: int = 1,
+                use_ddp: bool = True) -> None:
     """Refuse counts and rates that cannot work, by name, before a rank builds anything.
 
-    ``steps`` steps of ``world_size`` x ``batch_size`` samples must fit in one epoch of ``dataset``.
-    Introduced in notebooks/26-keras-on-torch.ipynb.
+    ``steps`` steps of ``world_size`` x ``batch_size`` samples must fit in one epoch of ``dataset``; without DDP
+    (the one-process reference) there is one rank. Introduced in notebooks/26-keras-on-torch.ipynb.
     """
+    if not use_ddp and world_size != 1:
+        raise ValueError(f"use_ddp=False needs world_size=1, not {world_size}")
     positive_int("epochs", epochs)
     positive_int("steps", steps)
     positive_int("batch_size", batch_size)
@@ -192,12 +195,26 @@ def weights(model, trainable: bool) -> dict:
     return {v.path: v.value.detach().clone() for v in chosen if v.value.is_floating_point()}
 
 
+def train_epochs(net, opt, loader, sampler, device, steps, epochs, training):
+    """The guide's torch loop: the rank's losses. Introduced in notebooks/26-keras-on-torch.ipynb."""
+    kwargs = {} if training is None else {"training": training}  # None: the guide's model(x)
+    losses = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)  # a fresh shuffle per epoch, the same on every rank
+        for x, y in itertools.islice(loader, steps):
+            loss = F.cross_entropy(net(x.to(device), **kwargs), y.to(device))
+            opt.zero_grad()
+            loss.backward()  # DDP all-reduces the gradients here
+            opt.step()
+            losses.append(loss.item())
+            report(step=len(losses), total=steps * epochs, loss=losses[-1])
+    return losses
+
+
 def keras_steps(rank, world_size, dataset, steps, batch_size, lr, *, training=True, dropout=0.5, seed=0,
                 epochs=1, use_ddp=True, save_to=None, device=None, optimizer="adam"):
-    """The guide's model and torch loop under DDP. Introduced in notebooks/26-keras-on-torch.ipynb."""
-    check_sizes(dataset, world_size, batch_size, steps, lr, epochs)
-    if not use_ddp and world_size != 1:
-        raise ValueError(f"use_ddp=False needs world_size=1, not {world_size}")
+    """The guide's model, DDP and sampler around train_epochs. Introduced in notebooks/26-keras-on-torch.ipynb."""
+    check_sizes(dataset, world_size, batch_size, steps, lr, epochs, use_ddp)  # refused by name before any work
     import keras
 
     device = torch.device(device) if device is not None else rank_device()
@@ -208,18 +225,7 @@ def keras_steps(rank, world_size, dataset, steps, batch_size, lr, *, training=Tr
                                      drop_last=True)
         loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
         opt = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}[optimizer](net.parameters(), lr=lr)  # trainable only
-        kwargs = {} if training is None else {"training": training}
-        losses = []
-        for epoch in range(epochs):
-            sampler.set_epoch(epoch)  # a fresh shuffle per epoch, the same on every rank
-            for x, y in itertools.islice(loader, steps):
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                loss = F.cross_entropy(net(x, **kwargs), y)
-                opt.zero_grad()
-                loss.backward()  # DDP all-reduces the gradients here
-                opt.step()
-                losses.append(loss.item())
-                report(step=len(losses), total=steps * epochs, loss=losses[-1])
+        losses = train_epochs(net, opt, loader, sampler, device, steps, epochs, training)
         if save_to is not None and rank == 0:
             save_atomic(model, save_to)
         return {"params": weights(model, True), "moving": weights(model, False), "losses": losses,

@@ -6,7 +6,8 @@ choice, Switch's load-balancing loss); ``Experts`` runs E stacked MLPs as one pa
 router, routed experts (dropless unless given a capacity) and a shared expert; ``update_bias`` is DeepSeek-V3's
 balancing without a loss. ``AllToAll`` and ``ExpertParallel`` send a rank's rows to the ranks of their experts and
 back with ``all_to_all_single`` and uneven splits; ``shard_experts`` lays the MoE-GPT out as EP × FSDP on an
-(edp, ep) mesh; ``ep_fsdp_rank`` checks one step of it against one process.
+(edp, ep) mesh; ``ep_fsdp_rank`` runs one step of it (``moe_loss``) beside one process (``reference``) and
+``compare`` measures the gaps.
 """
 
 from __future__ import annotations
@@ -186,6 +187,14 @@ def rel(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
 
 
+def moe_loss(model, x, y, alpha):
+    """The GPT's loss + alpha × the balancing losses.
+
+    Introduced in notebooks/25-expert-parallel.ipynb.
+    """
+    return gpt.gpt_loss(model, x, y) + alpha * sum(block.mlp.aux_loss for block in model.blocks)
+
+
 def reference(model, xs, ys, rank, alpha):
     """One process, every rank's batch: backward of the mean loss; this rank's loss and routes.
 
@@ -193,8 +202,7 @@ def reference(model, xs, ys, rank, alpha):
     """
     device, total = rank_device(), 0
     for r in range(len(xs)):
-        loss = gpt.gpt_loss(model, xs[r].to(device), ys[r].to(device))
-        loss = loss + alpha * sum(block.mlp.aux_loss for block in model.blocks)
+        loss = moe_loss(model, xs[r].to(device), ys[r].to(device), alpha)
         total = total + loss / len(xs)
         if r == rank:
             mine, routes = loss.detach(), [block.mlp.routed for block in model.blocks]
@@ -203,7 +211,7 @@ def reference(model, xs, ys, rank, alpha):
 
 
 def ep_fsdp_rank(rank, world_size, make_model, xs, ys, ep_size, alpha=0.01, seed=0, dtype=torch.float64, **shard):
-    """The reference, then EP × FSDP on an (edp, ep) mesh: the gaps of the loss and every gradient.
+    """The reference, then one EP × FSDP step on an (edp, ep) mesh.
 
     Introduced in notebooks/25-expert-parallel.ipynb.
     """
@@ -219,18 +227,26 @@ def ep_fsdp_rank(rank, world_size, make_model, xs, ys, ep_size, alpha=0.01, seed
     logits = []  # each router's, in this rank's forward
     for block in model.blocks:
         block.mlp.router.register_forward_hook(lambda module, args, out: logits.append(out.detach()))
-    with CommDebugMode() as comms:
-        loss = gpt.gpt_loss(model, xs[rank].to(device), ys[rank].to(device))
-        loss = loss + alpha * sum(block.mlp.aux_loss for block in model.blocks)
+    with CommDebugMode() as comms:  # torch's count of the collectives in this step
+        loss = moe_loss(model, xs[rank].to(device), ys[rank].to(device), alpha)
         loss.backward()
+    calls = {str(k): v for k, v in comms.get_comm_counts().items()}
+    return {**compare(model, ref, mesh, (loss.detach(), ref_loss), ref_routes, logits), "calls": calls}
+
+
+def compare(model, ref, mesh, losses, ref_routes, logits):
+    """Gaps to the reference, routes, margin, block 0's splits.
+
+    Introduced in notebooks/25-expert-parallel.ipynb.
+    """
     ranked = [z.softmax(-1).topk(model.blocks[0].mlp.k + 1).values for z in logits]
     refs, n = dict(ref.named_parameters()), model.blocks[0].mlp.experts.n
-    first = mesh["ep"].get_local_rank() * n
-    gaps = {"loss": rel(loss.detach(), ref_loss)}
+    first = mesh["ep"].get_local_rank() * n  # this rank's experts in the reference's stack
+    gaps = {"loss": rel(*losses)}
     for name, p in model.named_parameters():
         want = refs[name.replace(".local.", ".")].grad
         gaps[name] = rel(p.grad.full_tensor(), want[first:first + n] if ".local." in name else want)
     return {"gaps": gaps, "same routes": all(torch.equal(b.mlp.routed, r) for b, r in zip(model.blocks, ref_routes)),
             "margin": min((t[:, :-1] - t[:, 1:]).min().item() for t in ranked),
-            "sent": model.blocks[0].mlp.experts.sent, "calls": {str(k): v for k, v in comms.get_comm_counts().items()}}
+            "sent": model.blocks[0].mlp.experts.sent}
 # ---- end of export from notebooks/25-expert-parallel.ipynb ----

@@ -6,7 +6,8 @@ The sequence is cut into 2·W chunks, two per rank: contiguous, or zig-zag (chun
 causal mask's work. The ring runs in every block of the course's GPT (RingSelfAttention), trained with tokens,
 labels and positions split over the CP ranks (cp_step, train_rank); ring_forward_overlapped posts each hand-off
 before the step's compute. Written in notebooks/23-context-parallel.ipynb and exported here (``make export``); the
-tests import it from here. Below the export: the notebook's timing instruments (time_rings, time_exchange).
+tests import it from here. Below the export: the notebook's timing instrument (time_rings), machinery that only
+times the rings the notebook writes.
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ from helpers.train import sync
 
 # ---- exported from notebooks/23-context-parallel.ipynb: edit it there, then run `make export` ----
 def chunks_of(rank, world_size, zigzag):
-    """The two of 2·world_size sequence chunks that ``rank`` holds. Introduced in notebooks/23-context-parallel.ipynb."""
+    """The two of 2·world_size sequence chunks that ``rank`` holds.
+
+    Introduced in notebooks/23-context-parallel.ipynb.
+    """
     return [rank, 2 * world_size - 1 - rank] if zigzag else [2 * rank, 2 * rank + 1]
 
 
@@ -38,14 +42,20 @@ def positions(rank, world_size, T, zigzag):
 
 
 def blocks(rank, source, world_size, zigzag):
-    """(query half, key half, diagonal) of each causal score block. Introduced in notebooks/23-context-parallel.ipynb."""
+    """(query half, key half, diagonal) of each causal score block.
+
+    Introduced in notebooks/23-context-parallel.ipynb.
+    """
     theirs = chunks_of(source, world_size, zigzag)
     return [(a, b, i == j) for a, i in enumerate(chunks_of(rank, world_size, zigzag))
             for b, j in enumerate(theirs) if j <= i]  # j > i: every key after every query, skipped
 
 
 def scores(q, k, diagonal):
-    """Scaled scores q·kᵀ, the future masked on a diagonal block. Introduced in notebooks/23-context-parallel.ipynb."""
+    """Scaled scores q·kᵀ, the future masked on a diagonal block.
+
+    Introduced in notebooks/23-context-parallel.ipynb.
+    """
     s = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
     if diagonal:
         future = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
@@ -60,7 +70,10 @@ def merge(out, lse, block_out, block_lse):
 
 
 def post(t, group=None):
-    """Start sending ``t`` right and receiving the left's: (incoming, requests). Introduced in notebooks/23-context-parallel.ipynb."""
+    """Start sending ``t`` right and receiving the left's: (incoming, requests).
+
+    Introduced in notebooks/23-context-parallel.ipynb.
+    """
     W, r = dist.get_world_size(group), dist.get_rank(group)
     incoming = torch.empty_like(t)
     ops = [dist.P2POp(dist.isend, t, group=group, group_peer=(r + 1) % W),
@@ -77,7 +90,10 @@ def exchange(t, group=None):
 
 
 def fold(q, kv, out, lse, rank, source, world_size, zigzag):
-    """Fold the score blocks of ``source``'s K/V into (out, lse). Introduced in notebooks/23-context-parallel.ipynb."""
+    """Fold the score blocks of ``source``'s K/V into (out, lse).
+
+    Introduced in notebooks/23-context-parallel.ipynb.
+    """
     for a, b, diagonal in blocks(rank, source, world_size, zigzag):
         s = scores(q.chunk(2, 2)[a], kv[0].chunk(2, 2)[b], diagonal)
         block_lse = s.logsumexp(-1, keepdim=True)
@@ -86,7 +102,10 @@ def fold(q, kv, out, lse, rank, source, world_size, zigzag):
 
 
 def ring_forward(q, k, v, zigzag, group=None):
-    """Causal attention of this rank's queries over every rank's K/V: (out, lse). Introduced in notebooks/23-context-parallel.ipynb."""
+    """Causal attention of this rank's queries over every rank's K/V: (out, lse).
+
+    Introduced in notebooks/23-context-parallel.ipynb.
+    """
     W, r = dist.get_world_size(group), dist.get_rank(group)
     out, lse, kv = [None, None], [None, None], torch.stack([k, v])
     for step in range(W):
@@ -97,7 +116,10 @@ def ring_forward(q, k, v, zigzag, group=None):
 
 
 def ring_backward(q, k, v, out, lse, dout, zigzag, group=None):
-    """(dq, dk, dv) of ring_forward, K/V and dK/dV passed around the ring. Introduced in notebooks/23-context-parallel.ipynb."""
+    """(dq, dk, dv) of ring_forward, K/V and dK/dV passed around the ring.
+
+    Introduced in notebooks/23-context-parallel.ipynb.
+    """
     W, r = dist.get_world_size(group), dist.get_rank(group)
     D = (dout * out).sum(-1, keepdim=True)
     dq, kv, dkv = torch.zeros_like(q), torch.stack([k, v]), torch.zeros(2, *k.shape, dtype=k.dtype, device=k.device)
@@ -145,7 +167,10 @@ class RingSelfAttention(nn.Module):
 
 
 def cp_step(model, optimizer, x, y, pos, n_tokens):
-    """One AdamW step on this rank's tokens; returns its share of the loss. Introduced in notebooks/23-context-parallel.ipynb."""
+    """One AdamW step on this rank's tokens; returns its share of the loss.
+
+    Introduced in notebooks/23-context-parallel.ipynb.
+    """
     logits = model(x, positions=pos)  # pos: these tokens' places in the whole sequence
     loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum") / n_tokens  # a share of the mean
     loss.backward()
@@ -174,7 +199,10 @@ def train_rank(rank, world_size, x, y, steps, dp=1, ring=True, dtype=torch.float
 
 
 def ring_forward_overlapped(q, k, v, zigzag, group=None):
-    """ring_forward with each hand-off posted before the step's compute. Introduced in notebooks/23-context-parallel.ipynb."""
+    """ring_forward with each hand-off posted before the step's compute.
+
+    Introduced in notebooks/23-context-parallel.ipynb.
+    """
     W, r = dist.get_world_size(group), dist.get_rank(group)
     out, lse, kv = [None, None], [None, None], torch.stack([k, v])
     for step in range(W):
@@ -192,11 +220,17 @@ def ring_forward_overlapped(q, k, v, zigzag, group=None):
 def time_rings(rank, world_size, T, cfg, rings, repeats, zigzag=True, sizes=()):
     """Run under launch: each ring's median (CPU s, wall s), whether their outputs agree, and hand-offs' fastest s.
 
-    ``rings`` maps a name to a function like ring_forward; "compute alone" (every step's blocks, no hand-off) is
-    added. Random float32 q, k, v of a (1, heads, T, head_dim) sequence, this rank's positions; the rings alternate
-    within a repeat, the first repeat warms up. CPU s is this thread's time (the rank's own work, whichever core ran
-    it); on a GPU both clocks read the synchronised wall. ``sizes``: bytes of lone hand-offs (exchange) to time as
-    notebook 03 does, fastest of 20, for the α–β fit. Introduced in notebooks/23-context-parallel.ipynb.
+    Machinery, not the lesson: it times what notebooks/23-context-parallel.ipynb writes on its page and passes in
+    (ring_forward, ring_forward_overlapped; "compute alone" is the page's fold without the hand-offs, and the lone
+    hand-offs are the page's exchange), with the course's honest-timing habits (bench.py, notebook 03's
+    time_collectives): a barrier before each run, the device synchronised before the clock is read, a warm-up,
+    medians. ``rings`` maps a name to a function like ring_forward; "compute alone" (every step's blocks, no
+    hand-off) is added. Random float32 q, k, v of a (1, heads, T, head_dim) sequence, this rank's positions; the
+    rings alternate within a repeat, the first repeat warms up. CPU s is this thread's time (the rank's own work,
+    whichever core ran it); on a GPU both clocks read the synchronised wall. ``sizes``: bytes of lone hand-offs
+    (exchange) to time as notebook 03 does, fastest of 20, for the α–β fit.
+
+    Introduced in notebooks/23-context-parallel.ipynb.
     """
     device = rank_device()
     clock = time.thread_time if device.type == "cpu" else time.perf_counter
