@@ -128,7 +128,8 @@ def cut(model, rank, world_size, schedule, split=None):
     """(number of stages, {stage index: this rank's stage}) of the GPT. Introduced in notebooks/11-pipelines.ipynb."""
     L = len(model.blocks)
     n = world_size if schedule in ("gpipe", "1f1b") else 2 * world_size
-    bounds = [0, split, L] if split is not None else [L * s // n for s in range(n + 1)]  # blocks per stage
+    one_a_rank = n == world_size  # split: where the cut goes with one stage a rank (else equal shares)
+    bounds = [0, split, L] if split is not None and one_a_rank else [L * s // n for s in range(n + 1)]  # blocks
     own = [rank, n - 1 - rank] if schedule == "zbv" else range(rank, n, world_size)  # looped: rank r holds r, r + W
     return n, {s: gpt_stage(model, range(bounds[s], bounds[s + 1]), first=s == 0, last=s == n - 1) for s in own}
 

@@ -204,7 +204,8 @@ def sweep_rows(times: dict, stage_seconds, cost_s: float | None = None) -> list[
     """One row per micro-batch count M from its timed steps (seconds): ms median, min, max, quartiles, the bubble,
     and the step a perfect pipeline would take from ``stage_seconds`` (plus ``cost_s`` per micro-batch, if given).
 
-    Introduced in notebooks/11-pipelines.ipynb.
+    Machinery behind plot_sweep's rows with quartiles; no notebook calls it directly (11 builds its rows on the page,
+    the perfect pipeline written as a formula that tests/test_pipeline.py checks against predict_step).
     """
     rows = []
     for m in sorted(times):
@@ -219,7 +220,8 @@ def sweep_rows(times: dict, stage_seconds, cost_s: float | None = None) -> list[
 
 
 def plot_sweep(rows: list[dict], title: str):
-    """Measured step time per M (median, quartiles) beside the perfect pipeline and the bubble fraction.
+    """Measured step time per M (median, with quartiles where rows have them, else the range) beside the perfect
+    pipeline and the bubble fraction.
 
     Introduced in notebooks/11-pipelines.ipynb.
     """
@@ -227,8 +229,9 @@ def plot_sweep(rows: list[dict], title: str):
 
     fig, ax = plt.subplots(figsize=(6.5, 3.4))
     ms = [r["m"] for r in rows]
-    spread = [[r["ms"] - r["q1"] for r in rows], [r["q3"] - r["ms"] for r in rows]]
-    ax.errorbar(ms, [r["ms"] for r in rows], yerr=spread, fmt="o-", capsize=3, label="measured step (median, quartiles)")
+    low, high, what = ("q1", "q3", "quartiles") if "q1" in rows[0] else ("lo", "hi", "range")
+    spread = [[r["ms"] - r[low] for r in rows], [r[high] - r["ms"] for r in rows]]
+    ax.errorbar(ms, [r["ms"] for r in rows], yerr=spread, fmt="o-", capsize=3, label=f"measured step (median, {what})")
     ax.plot(ms, [r["ideal"] for r in rows], "s--", label="perfect pipeline, one device per stage")
     if "with_cost" in rows[0]:
         ax.plot(ms, [r["with_cost"] for r in rows], "d-.", color="tab:red", label="perfect + fixed cost per micro-batch")

@@ -15,7 +15,6 @@ import copy
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -28,7 +27,8 @@ from .train import sync
 def split_names(n_layer: int) -> dict[int, str]:
     """Every valid split k of a two-stage GPT (blocks 0..k−1 in stage 0) with a readable name.
 
-    Introduced in notebooks/11-pipelines.ipynb.
+    Machinery behind the split labels tests/test_stages.py checks; no notebook calls it directly (11 names its
+    splits on the page).
     """
     def blocks(a, b):
         return f"blocks {a}–{b - 1}" if b - a > 1 else f"block {a}" if b > a else "no block"
@@ -153,20 +153,6 @@ def stage_seconds(stage: nn.Module, inputs: torch.Tensor, target: torch.Tensor |
         sync(device)
 
     return compare({"stage": run}, device=device, rounds=rounds)["stage"]["median"]
-
-
-def own_stage_seconds(rank: int, world_size: int, stage: nn.Module, inputs, target, device, rounds: int = 5) -> float:
-    """In a pipeline rank: time this rank's own stage on its own device, one rank at a time (barriers between).
-
-    Taking turns keeps one rank's timing from sharing cores with another's.
-    Introduced in notebooks/11-pipelines.ipynb.
-    """
-    seconds = None
-    for r in range(world_size):
-        if r == rank:
-            seconds = stage_seconds(stage, inputs, target, device, rounds)
-        dist.barrier()
-    return seconds
 
 
 # ---- exported from notebooks/10-model-parallel.ipynb: edit it there, then run `make export` ----

@@ -331,7 +331,9 @@ PANELS = {
     "01-single-gpu.ipynb": PanelCheck(("epochs",), ranks=False),
     "04-ddp.ipynb": PanelCheck(("steps", "batch"), ranks=True),
     "08-large-batch.ipynb": PanelCheck(("steps",), ranks=True, menus=("precision",)),
-    "11-pipelines.ipynb": PanelCheck(("micro-batches",), ranks=True, menus=("split",)),
+    # 11's run is one launch whose lines come when it ends (moves=False); at the most micro-batches and rounds it
+    # lasts seconds even in smoke mode, long enough to Stop it
+    "11-pipelines.ipynb": PanelCheck(("micro-batches", "rounds"), ranks=True, moves=False, menus=("split",)),
     # 12's run is one launched child measuring a loader, which prints its numbers when it ends; the longest run
     # (most workers, most epochs) lasts seconds, long enough to Stop it: the child and its workers must go
     "12-data-loading.ipynb": PanelCheck(("num_workers", "epochs"), ranks=True, moves=False),

@@ -110,9 +110,7 @@ def test_code_an_earlier_page_wrote_is_not_the_course_s_machinery(tmp_path):
 
 # Notebooks over a limit when the limits came in (issue 45), each named with the rules it breaks: an entry goes once
 # its notebook meets the rule (the test fails while a listed rule passes). `make audit` prints every column.
-KNOWN_OVER_LIMITS: dict[str, set[str]] = {
-    "11-pipelines": {'helpers'},  # its timing sweep and panel: 17 against 15 torch calls
-}
+KNOWN_OVER_LIMITS: dict[str, set[str]] = {}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

@@ -161,3 +161,27 @@ def test_hybrid_steps_is_the_notebook_s_solution_word_for_word():
     in_cell = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "hybrid_steps")
     in_helpers = ast.parse(inspect.getsource(pipeline.hybrid_steps)).body[0]
     assert ast.dump(in_cell) == ast.dump(in_helpers), "edit the solution cell, then copy it into helpers/pipeline.py"
+
+
+def test_the_perfect_pipeline_formula_on_11_s_page_is_the_simulated_gpipe_step():
+    """11 writes a perfect pipeline's step as (sum of stage times + (M − 1) × slowest) / M; the simulator of notebook
+    10 (predict_step: stage times split into M passes, a third forward) must give the same for any stage times."""
+    cells = json.loads((ROOT / "notebooks" / "11-pipelines.ipynb").read_text())["cells"]
+    assert any("(sum(t_stage) + (m - 1) * max(t_stage)) / m" in "".join(c["source"]) for c in cells)
+    g = torch.Generator().manual_seed(0)
+    for stages in (2, 3, 4):
+        for m in (1, 2, 3, 8, 16):
+            t = (torch.rand(stages, generator=g, dtype=torch.float64) * 0.05 + 1e-3).tolist()
+            assert (sum(t) + (m - 1) * max(t)) / m == pytest.approx(schedules.predict_step(t, m), rel=1e-12)
+    # a wrong formula (the slowest stage times M, say) is told apart
+    assert (0.01 + 0.03) / 4 != pytest.approx(schedules.predict_step([0.01, 0.03], 4), rel=1e-12)
+
+
+def test_cut_ignores_split_where_a_rank_holds_two_stages():
+    """11's first check passes split=2 to every schedule: with two stages a rank the blocks are shared out equally."""
+    for schedule in ("interleaved", "zbv"):
+        n, parts = pipeline.cut(gpt(), 0, 2, schedule, split=2)
+        held = sorted(i for part in parts.values() for i, b in enumerate(part.blocks) if not isinstance(b, torch.nn.Identity))
+        assert n == 4 and len(held) == 2
+    n, parts = pipeline.cut(gpt(), 0, 2, "gpipe", split=1)
+    assert [i for i, b in enumerate(parts[0].blocks) if not isinstance(b, torch.nn.Identity)] == [0]
