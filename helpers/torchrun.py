@@ -48,7 +48,7 @@ def torchrun_command(script_args, *, nproc: int = 1, nnodes: int = 1, node_rank:
     elif endpoint is None:
         raise ValueError(f"{nnodes} nodes need an endpoint host:port to meet at")
     elif rdzv == "c10d":
-        cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=course13"]
+        cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=course14"]
     elif rdzv == "static":
         host, port = endpoint.rsplit(":", 1)
         cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={host}", f"--master-port={port}"]

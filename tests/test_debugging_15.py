@@ -88,7 +88,7 @@ def test_a_dead_dataloader_worker_raises_and_a_stuck_one_raises_only_with_a_time
 
 
 def test_the_flight_recorder_records_by_default_and_on_2_15_gloo_records_too():
-    """Notebook 15, section 7: 2000 entries unless TORCH_FR_BUFFER_SIZE / TORCH_NCCL_TRACE_BUFFER_SIZE say otherwise,
+    """Notebook 15, section 5: 2000 entries unless TORCH_FR_BUFFER_SIZE / TORCH_NCCL_TRACE_BUFFER_SIZE say otherwise,
     and on torch 2.15 gloo's collectives land in the recorder as well (only the dump on timeout is NCCL's)."""
     script = (
         "import json, os, torch, torch.distributed as dist\n"
