@@ -502,7 +502,7 @@ def main() -> int:
     reports, missing, undefined = audit()
     print("Solution cells left out of words, code lines and calls. help: calls into the course's machinery; pages: calls"
           " of code a notebook wrote and exported (the ConvNet, the GPT, ...). gpu: lines only a GPU runs (CI never does).")
-    print(f"{'notebook':34} {'words':>6} {'in str':>6} {'code':>5} {'help':>5} {'torch':>5} {'figs':>4} "
+    print(f"{'notebook':34} {'words':>6} {'in str':>6} {'code':>5} {'help':>5} {'torch':>5} {'pages':>5} {'figs':>4} "
           f"{'links':>5} {'ex':>3} {'sol':>3} {'gpu':>4}  longest function")
     for r in reports:
         print(f"{r.name:34} {r.words:6d} {r.string_share:6.0%} {r.code_lines:5d} {r.helper_calls:5d} "
