@@ -10,7 +10,6 @@ activations a stage holds.
 
 from __future__ import annotations
 
-import statistics
 from typing import NamedTuple
 
 from .checks import positive_int
@@ -200,28 +199,8 @@ def draw_timeline(slots: list[Slot], title: str = "", ax=None, unit: str = "time
     return ax
 
 
-def sweep_rows(times: dict, stage_seconds, cost_s: float | None = None) -> list[dict]:
-    """One row per micro-batch count M from its timed steps (seconds): ms median, min, max, quartiles, the bubble,
-    and the step a perfect pipeline would take from ``stage_seconds`` (plus ``cost_s`` per micro-batch, if given).
-
-    Machinery behind plot_sweep's rows with quartiles; no notebook calls it directly (11 builds its rows on the page,
-    the perfect pipeline written as a formula that tests/test_pipeline.py checks against predict_step).
-    """
-    rows = []
-    for m in sorted(times):
-        ms = sorted(1e3 * t for t in times[m])
-        q1, _, q3 = statistics.quantiles(ms, n=4) if len(ms) > 1 else (ms[0],) * 3
-        row = dict(m=m, ms=statistics.median(ms), lo=ms[0], hi=ms[-1], q1=q1, q3=q3,
-                   bubble=bubble_fraction(len(stage_seconds), m), ideal=predict_step(stage_seconds, m) * 1e3)
-        if cost_s is not None:
-            row["with_cost"] = row["ideal"] + m * cost_s * 1e3
-        rows.append(row)
-    return rows
-
-
 def plot_sweep(rows: list[dict], title: str):
-    """Measured step time per M (median, with quartiles where rows have them, else the range) beside the perfect
-    pipeline and the bubble fraction.
+    """Measured step time per M (median and range) beside the perfect pipeline and the bubble fraction.
 
     Introduced in notebooks/11-pipelines.ipynb.
     """
@@ -229,9 +208,8 @@ def plot_sweep(rows: list[dict], title: str):
 
     fig, ax = plt.subplots(figsize=(6.5, 3.4))
     ms = [r["m"] for r in rows]
-    low, high, what = ("q1", "q3", "quartiles") if "q1" in rows[0] else ("lo", "hi", "range")
-    spread = [[r["ms"] - r[low] for r in rows], [r[high] - r["ms"] for r in rows]]
-    ax.errorbar(ms, [r["ms"] for r in rows], yerr=spread, fmt="o-", capsize=3, label=f"measured step (median, {what})")
+    spread = [[r["ms"] - r["lo"] for r in rows], [r["hi"] - r["ms"] for r in rows]]
+    ax.errorbar(ms, [r["ms"] for r in rows], yerr=spread, fmt="o-", capsize=3, label="measured step (median, range)")
     ax.plot(ms, [r["ideal"] for r in rows], "s--", label="perfect pipeline, one device per stage")
     if "with_cost" in rows[0]:
         ax.plot(ms, [r["with_cost"] for r in rows], "d-.", color="tab:red", label="perfect + fixed cost per micro-batch")

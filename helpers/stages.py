@@ -24,18 +24,6 @@ from .devices import gpu_count
 from .train import sync
 
 
-def split_names(n_layer: int) -> dict[int, str]:
-    """Every valid split k of a two-stage GPT (blocks 0..k−1 in stage 0) with a readable name.
-
-    Machinery behind the split labels tests/test_stages.py checks; no notebook calls it directly (11 names its
-    splits on the page).
-    """
-    def blocks(a, b):
-        return f"blocks {a}–{b - 1}" if b - a > 1 else f"block {a}" if b > a else "no block"
-
-    return {k: f"embeddings + {blocks(0, k)} | {blocks(k, n_layer)} + head" for k in range(n_layer + 1)}
-
-
 @dataclass(frozen=True)
 class StagePlan:
     """Where each stage of one model goes (or each pipeline rank runs), and a sentence saying what is real."""

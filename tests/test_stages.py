@@ -62,7 +62,7 @@ def test_two_stage_forward_equals_the_gpt_without_autograd():
     x = torch.randint(0, 256, (3, 8))
     with torch.no_grad():
         ref = model(x)
-        for k in stages.split_names(4):
+        for k in range(5):  # every split: embeddings + blocks 0..k−1 | the rest + head
             two = stages.TwoStage(model, k)
             assert torch.equal(two(x), ref), k
             assert {n: v.shape for n, v in two.gpt_state().items()} == {n: p.shape for n, p in model.named_parameters()}
@@ -84,14 +84,6 @@ def test_two_stage_refuses_bad_splits():
     for bad, error in ((-1, ValueError), (5, ValueError), (2.5, TypeError), (True, TypeError)):
         with pytest.raises(error, match="split must be"):
             stages.TwoStage(_gpt(), bad)
-
-
-def test_split_names_name_every_cut_of_a_two_stage_gpt():
-    names = stages.split_names(4)
-    assert list(names) == [0, 1, 2, 3, 4]
-    assert names[0] == "embeddings + no block | blocks 0–3 + head"
-    assert names[2] == "embeddings + blocks 0–1 | blocks 2–3 + head"
-    assert names[3] == "embeddings + blocks 0–2 | block 3 + head"
 
 
 @pytest.mark.parametrize("n_gpus, expect, kind", [
@@ -124,13 +116,9 @@ def test_stage_seconds_times_a_stage_on_its_device():
     assert two.stage1.head.weight.grad is not None
 
 
-def test_sweep_rows_put_measured_times_beside_the_perfect_pipeline():
-    rows = schedules.sweep_rows({1: [0.030, 0.032, 0.031], 4: [0.020, 0.021, 0.022]}, [0.015, 0.015], cost_s=0.001)
-    assert [r["m"] for r in rows] == [1, 4]
-    assert rows[0]["ms"] == pytest.approx(31.0) and rows[0]["lo"] == pytest.approx(30.0)
-    assert rows[0]["ideal"] == pytest.approx(30.0) and rows[1]["ideal"] == pytest.approx(30.0 * 5 / 8)
-    assert rows[1]["with_cost"] == pytest.approx(rows[1]["ideal"] + 4.0)
-    assert rows[1]["bubble"] == pytest.approx(schedules.bubble_fraction(2, 4))
+def test_plot_sweep_draws_rows_as_11_builds_them():
+    rows = [dict(m=m, ms=ms, lo=lo, hi=hi, bubble=schedules.bubble_fraction(2, m), ideal=ideal, with_cost=ideal + m)
+            for m, ms, lo, hi, ideal in [(1, 31.0, 30.0, 32.0, 30.0), (4, 21.0, 20.0, 22.0, 18.75)]]
     fig = schedules.plot_sweep(rows, "test")
     assert fig.axes and fig.axes[0].get_title() == "test"
 
